@@ -1,0 +1,48 @@
+"""Frozen views of one Triton instance's load, as scraped from its /metrics.
+
+The scraper (``proxy.fleet.scraper``) builds these; routing policies only read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """Load of one model on one instance, averaged over the scrape window."""
+
+    pending: float = 0.0
+    """``nv_inference_pending_request_count``: requests queued in Triton, not yet executing."""
+    queue_us: float | None = None
+    """Mean queue time per request over the window (µs); None without traffic in the window."""
+    compute_us: float | None = None
+    """Mean compute (input + infer + output) time per request over the window (µs)."""
+    queue_us_p95: float | None = None
+    """P95 over the window of the per-scrape mean queue time (µs), for instance feedback."""
+    exec_rate: float = 0.0
+    """Batches executed per second over the window."""
+    request_rate: float = 0.0
+    """Successful requests per second over the window."""
+    mean_batch: float | None = None
+    """Inferences per execution over the window."""
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot:
+    """Everything scraped from one instance at ``taken_at`` (clock seconds)."""
+
+    taken_at: float
+    models: Mapping[str, ModelLoad] = field(default_factory=dict)
+    gpu_utilization: float | None = None
+    gpu_memory_fraction: float | None = None
+    cpu_utilization: float | None = None
+    cpu_memory_fraction: float | None = None
+    kv_cache_fraction: float | None = None
+    """TensorRT-LLM KV-cache blocks used / max, when the backend exports it."""
+    active_requests: float | None = None
+    """TensorRT-LLM active requests, when exported."""
+
+    def model(self, name: str) -> ModelLoad:
+        return self.models.get(name, ModelLoad())

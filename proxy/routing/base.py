@@ -1,0 +1,57 @@
+"""The interface every routing policy implements.
+
+A policy is a small synchronous class: it sees the whole candidate list (healthy instances
+that serve the model) and a frozen view of each, and returns one. It does no I/O and keeps no
+clock of its own; randomness comes from the ``random.Random`` passed to its factory.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One instance that could take the request, as the router sees it right now."""
+
+    name: str
+    in_flight: int
+    """Requests this proxy has sent to the instance (all models) and not yet finished."""
+    model_in_flight: int
+    """Same, for the request's model only."""
+    connections: int
+    """Open upstream connections (HTTP keep-alive sockets + active gRPC streams)."""
+    snapshot: InstanceSnapshot | None
+    """Last scraped metrics, or None if never scraped."""
+    stale: bool
+    """True when the snapshot is older than the staleness limit."""
+    weight: float = 1.0
+    """Selection weight from instance feedback (1.0 = healthy, lower = penalised)."""
+
+    def load(self, model: str) -> ModelLoad:
+        return self.snapshot.model(model) if self.snapshot is not None else ModelLoad()
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about the request being routed."""
+
+    model: str
+    session_key: str | None = None
+    cost: float = 1.0
+    """Relative cost estimate (e.g. tokens); 1.0 when unknown."""
+
+
+class Policy(Protocol):
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        """Pick one of ``candidates`` (never empty)."""
+        ...
+
+
+PolicyFactory = Callable[[dict[str, Any], random.Random], Policy]
+"""Builds a policy from its validated parameter mapping and a seeded random generator."""
