@@ -1,0 +1,91 @@
+"""The app factory: one ProxyServer per policy, every resource inside its lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.clock import Clock, MonotonicClock
+from proxy.config import ProxyConfig
+from proxy.frontends.http import HttpFrontend
+from proxy.routing.base import Candidate, RouteRequest
+from proxy.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BoundPorts:
+    http: int
+    grpc: int | None
+    metrics: int | None
+
+
+class _Unlimited:
+    def record_request(self) -> None:
+        pass
+
+    def try_retry(self) -> bool:
+        return True
+
+
+def _round_robin() -> object:
+    counter = itertools.count()
+
+    def choose(candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        return candidates[next(counter) % len(candidates)]
+
+    return choose
+
+
+class ProxyServer:
+    """Starts and stops the proxy's servers for one config."""
+
+    def __init__(
+        self, config: ProxyConfig, *, clock: Clock | None = None, rng: random.Random | None = None
+    ) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.rng = rng or random.Random()
+        self.runtime = Runtime(config, self.clock, self.rng, _round_robin(), _Unlimited())  # type: ignore[arg-type]
+        self._http_runner: web.AppRunner | None = None
+        self.ports: BoundPorts | None = None
+
+    def current(self) -> Runtime:
+        return self.runtime
+
+    async def start(self) -> BoundPorts:
+        await self.runtime.start()
+        listen = self.config.listen
+        app = HttpFrontend(self.current).app(self.config.limits.max_body_bytes)
+        self._http_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._http_runner.setup()
+        site = web.TCPSite(self._http_runner, listen.host, listen.http_port, reuse_address=True)
+        await site.start()
+        http_port = self._http_runner.addresses[0][1]
+        self.ports = BoundPorts(http=http_port, grpc=None, metrics=None)
+        return self.ports
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests drain (bounded), then cancel the rest."""
+        if self._http_runner is not None:
+            await self._http_runner.shutdown()
+            deadline = self.clock.now() + self.config.limits.drain_timeout_s
+            while self.runtime.fleet.total_in_flight() and self.clock.now() < deadline:
+                await asyncio.sleep(0.05)
+            await self._http_runner.cleanup()
+            self._http_runner = None
+        await self.runtime.stop()
+
+    async def __aenter__(self) -> ProxyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,111 @@
+"""The policy file: strict parse, defaults in one place, frozen result.
+
+Each subsystem owns the dataclass of its own section; this module only composes them, loads
+YAML and reports errors with the file, the path inside it and a hint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy import strict
+from proxy.fleet.instances import HealthConfig, InstanceSpec
+from proxy.strict import ConfigError
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    """The proxy's own Prometheus metrics (``/metrics``), on Triton's usual metrics port."""
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be a port number (0 picks a free one)")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted (HTTP and gRPC messages alike)."""
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float | None = None
+    """Upper bound on one upstream exchange; None leaves it to the client's own timeout."""
+    connections_per_instance: int = 512
+    drain_timeout_s: float = 10.0
+    """On shutdown, how long in-flight requests may finish before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.connections_per_instance < 1:
+            raise ValueError("connections_per_instance must be >= 1")
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """Model control (repository load/unload/index, trace and log settings) is off by default."""
+
+    enabled: bool = False
+    token: str | None = None
+    token_env: str | None = None
+    """Name of an environment variable holding the token (keeps secrets out of the file)."""
+
+    def __post_init__(self) -> None:
+        if self.token is None and self.token_env:
+            object.__setattr__(self, "token", os.environ.get(self.token_env))
+        if self.enabled and not self.token:
+            raise ValueError("admin.enabled needs a token (admin.token or admin.token_env)")
+
+
+@dataclass(frozen=True)
+class SequencesConfig:
+    max_entries: int = 100_000
+    idle_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    instances: tuple[InstanceSpec, ...]
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    sequences: SequencesConfig = field(default_factory=SequencesConfig)
+    session_header: str = "x-session-id"
+    """Header (HTTP) or metadata key (gRPC) holding the session key for affinity routing."""
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise ValueError("instances: at least one Triton instance is needed")
+        names = [i.name for i in self.instances]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"instances: duplicate names {', '.join(dupes)}")
+        object.__setattr__(self, "session_header", self.session_header.lower())
+
+
+def parse(data: Any, source: str | None = None) -> ProxyConfig:
+    return strict.load(ProxyConfig, data, "", source)
+
+
+def load_file(path: str | Path) -> ProxyConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read policy file: {exc.strerror}", str(path)) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"invalid YAML: {exc}", str(path)) from exc
+    return parse(data, str(path))

@@ -1,0 +1,145 @@
+"""The fleet: which Triton instances exist, which are healthy, and what the proxy has in flight.
+
+In-flight accounting uses release-once tokens (``with fleet.track(instance, model):``) so every
+exit path (success, error, cancellation) decrements exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from proxy.clock import Clock
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One Triton server as the policy file names it."""
+
+    name: str
+    http: str
+    """Base URL of Triton's HTTP/REST endpoint, e.g. ``http://10.0.0.5:8000``."""
+    grpc: str | None = None
+    """``host:port`` of Triton's gRPC endpoint."""
+    metrics: str | None = None
+    """Full URL of Triton's Prometheus endpoint, e.g. ``http://10.0.0.5:8002/metrics``."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("instance name must not be empty")
+        if not self.http.startswith(("http://", "https://")):
+            raise ValueError(f"http must be a URL starting with http:// ({self.http!r})")
+        object.__setattr__(self, "http", self.http.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = 1.0
+    """Readiness probe period for healthy instances."""
+    timeout_s: float = 2.0
+    backoff_initial_s: float = 0.5
+    """First re-probe delay after an instance is ejected; doubles up to ``backoff_max_s``."""
+    backoff_max_s: float = 10.0
+    eject_after_failures: int = 1
+    """Consecutive failures (probe, connection error or 5xx from the server itself) to eject."""
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.timeout_s, self.backoff_initial_s) <= 0:
+            raise ValueError("health intervals and timeouts must be > 0")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s must be >= backoff_initial_s")
+        if self.eject_after_failures < 1:
+            raise ValueError("eject_after_failures must be >= 1")
+
+
+@dataclass
+class Instance:
+    """Mutable run-time state of one instance; owned by :class:`Fleet`."""
+
+    spec: InstanceSpec
+    healthy: bool = True
+    failures: int = 0
+    backoff_s: float = 0.0
+    next_probe_at: float = 0.0
+    ejected_reason: str = ""
+    in_flight: int = 0
+    streams: int = 0
+    model_in_flight: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Fleet:
+    """Instances in policy order, their health and the proxy's own in-flight counts."""
+
+    def __init__(self, specs: tuple[InstanceSpec, ...], health: HealthConfig, clock: Clock) -> None:
+        self.health = health
+        self.clock = clock
+        self.instances: dict[str, Instance] = {s.name: Instance(s) for s in specs}
+        self.ejections = 0
+
+    def get(self, name: str) -> Instance:
+        return self.instances[name]
+
+    def all(self) -> list[Instance]:
+        return list(self.instances.values())
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.healthy]
+
+    def any_healthy(self) -> bool:
+        return any(i.healthy for i in self.instances.values())
+
+    @contextmanager
+    def track(self, instance: Instance, model: str, *, stream: bool = False) -> Iterator[None]:
+        """Count one request (or stream) in flight on ``instance`` until the block exits."""
+        instance.in_flight += 1
+        instance.model_in_flight[model] += 1
+        if stream:
+            instance.streams += 1
+        try:
+            yield
+        finally:
+            instance.in_flight -= 1
+            instance.model_in_flight[model] -= 1
+            if not instance.model_in_flight[model]:
+                del instance.model_in_flight[model]
+            if stream:
+                instance.streams -= 1
+
+    def total_in_flight(self) -> int:
+        return sum(i.in_flight for i in self.instances.values())
+
+    # --- health -------------------------------------------------------------------------
+    def report_success(self, instance: Instance) -> None:
+        instance.failures = 0
+        if not instance.healthy:
+            instance.healthy = True
+            instance.ejected_reason = ""
+            instance.backoff_s = 0.0
+        instance.next_probe_at = self.clock.now() + self.health.interval_s
+
+    def report_failure(self, instance: Instance, reason: str) -> None:
+        """A probe failed, a connection broke, or the server answered 5xx about itself."""
+        instance.failures += 1
+        now = self.clock.now()
+        if instance.healthy and instance.failures >= self.health.eject_after_failures:
+            instance.healthy = False
+            instance.ejected_reason = reason
+            instance.backoff_s = self.health.backoff_initial_s
+            instance.next_probe_at = now + instance.backoff_s
+            self.ejections += 1
+        elif not instance.healthy:
+            instance.backoff_s = min(
+                max(instance.backoff_s * 2, self.health.backoff_initial_s),
+                self.health.backoff_max_s,
+            )
+            instance.next_probe_at = now + instance.backoff_s
+
+    def due_for_probe(self) -> list[Instance]:
+        now = self.clock.now()
+        return [i for i in self.instances.values() if i.next_probe_at <= now]

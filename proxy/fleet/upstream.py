@@ -1,0 +1,62 @@
+"""One pooled HTTP client per Triton instance; bodies pass through untouched."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from proxy.fleet.instances import Fleet, Instance
+
+
+class UpstreamConnectError(Exception):
+    """No byte of the request reached the instance: safe to retry elsewhere."""
+
+
+class UpstreamLostError(Exception):
+    """The instance received the request, then the connection broke: not retried."""
+
+
+class HttpUpstreams:
+    """Keeps one ``aiohttp.ClientSession`` (its own connection pool) per instance."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        connections_per_instance: int,
+        connect_timeout_s: float,
+        request_timeout_s: float | None,
+    ) -> None:
+        self.fleet = fleet
+        self._connections = connections_per_instance
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout_s, sock_connect=connect_timeout_s
+        )
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+
+    def session(self, instance: Instance) -> aiohttp.ClientSession:
+        s = self._sessions.get(instance.name)
+        if s is None or s.closed:
+            s = aiohttp.ClientSession(
+                base_url=instance.spec.http,
+                connector=aiohttp.TCPConnector(
+                    limit=self._connections, enable_cleanup_closed=True, force_close=False
+                ),
+                timeout=self._timeout,
+                # Bytes travel as the server sent them: the client decompresses, not us.
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+            self._sessions[instance.name] = s
+        return s
+
+    def open_connections(self, instance: Instance) -> int:
+        s = self._sessions.get(instance.name)
+        if s is None or s.closed or s.connector is None:
+            return 0
+        # Acquired sockets are the ones carrying a request right now.
+        return len(getattr(s.connector, "_acquired", ()))
+
+    async def close(self) -> None:
+        for s in self._sessions.values():
+            await s.close()
+        self._sessions.clear()

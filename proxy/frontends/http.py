@@ -1,0 +1,258 @@
+"""Triton's HTTP/REST protocol (KServe v2), served by the proxy.
+
+Inference bodies are forwarded byte for byte through the instance's pooled client; the proxy
+reads only the JSON header, and only when it may hold a routing parameter. Everything the proxy
+does not handle itself is relayed to a ready instance, so Triton answers it exactly as it would.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.dispatch import Call
+from proxy.errors import Code, ProxyError, error_body
+from proxy.fleet.instances import Instance
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.frontends.kserve_http import HEADER_LENGTH, read_params
+from proxy.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+SHARED_MEMORY_MESSAGE = (
+    "shared memory is not supported through triton-proxy: the proxy forwards requests over "
+    "the network to several Triton servers, so a region registered on this host cannot be "
+    "read by them; send tensors in the request body (binary tensor extension) instead"
+)
+
+
+def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+
+
+def error_response(exc: ProxyError) -> web.Response:
+    headers = {"Content-Type": "application/json"}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    return web.Response(status=exc.code.http_status, body=exc.body(), headers=headers)
+
+
+class HttpFrontend:
+    """Builds the aiohttp application serving Triton's HTTP protocol for one :class:`Runtime`."""
+
+    def __init__(self, runtime_ref: Callable[[], Runtime]) -> None:
+        # A callable, not a Runtime: a policy reload swaps the runtime under running servers.
+        self._rt = runtime_ref
+
+    def app(self, max_body_bytes: int) -> web.Application:
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        r = app.router
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_post(base + "/infer", self.infer)
+            r.add_post(base + "/generate", self.generate)
+            r.add_post(base + "/generate_stream", self.generate_stream)
+        r.add_post("/v2/repository/index", self.admin_first)
+        r.add_post("/v2/repository/models/{model}/load", self.admin_all)
+        r.add_post("/v2/repository/models/{model}/unload", self.admin_all)
+        for kind in ("systemsharedmemory", "cudasharedmemory"):
+            r.add_route("*", f"/v2/{kind}" + "{tail:.*}", self.shared_memory)
+        for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting", "/v2/logging"):
+            r.add_post(path, self.admin_all)
+        r.add_route("*", "/{tail:.*}", self.relay)
+        return app
+
+    # --- middleware -----------------------------------------------------------------------
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProxyError as exc:
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(
+                ProxyError(
+                    Code.INVALID_ARG,
+                    f"Request body size exceeds the proxy's limit of {exc.max_size} bytes "
+                    "(limits.max_body_bytes in the policy file)",
+                )
+            )
+
+    # --- health ---------------------------------------------------------------------------
+    async def live(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        # Triton answers 400 (with an empty body) when not ready.
+        return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+
+    # --- inference ------------------------------------------------------------------------
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self._rt().config.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        return await request.read()
+
+    def _call(self, request: web.Request, body: bytes) -> Call:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        params = read_params(
+            body, headers.get(HEADER_LENGTH.lower()), encoded="content-encoding" in headers
+        )
+        rt = self._rt()
+        return Call(
+            model=request.match_info["model"],
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+        )
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request)
+        call = self._call(request, body)
+        headers = _forward_headers(request.headers)
+        return await self._rt().dispatcher.run(
+            call, lambda inst: self._exchange(inst, request, body, headers)
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self.infer(request)
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request)
+        call = self._call(request, body)
+        headers = _forward_headers(request.headers)
+        return await self._rt().dispatcher.run(
+            call,
+            lambda inst: self._exchange(inst, request, body, headers, stream=True),
+            stream=True,
+        )
+
+    async def _exchange(
+        self,
+        instance: Instance,
+        request: web.Request,
+        body: bytes,
+        headers: CIMultiDict[str],
+        *,
+        stream: bool = False,
+    ) -> web.StreamResponse:
+        """Send one request to ``instance`` and relay its answer to the client."""
+        rt = self._rt()
+        session = rt.upstreams.session(instance)
+        try:
+            upstream = await session.request(
+                request.method, request.rel_url.path_qs, data=body or None, headers=headers
+            )
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(str(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamLostError(str(exc)) from exc
+        async with upstream:
+            if upstream.status >= 500:
+                rt.health.check_soon(instance)
+            out_headers = _forward_headers(upstream.headers)
+            try:
+                if not stream:
+                    data = await upstream.read()
+                    return web.Response(status=upstream.status, body=data, headers=out_headers)
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                await response.prepare(request)
+                # Relay each chunk as it arrives: server-sent events must not be buffered.
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+            except aiohttp.ClientPayloadError as exc:
+                raise UpstreamLostError(str(exc)) from exc
+
+    # --- everything else ------------------------------------------------------------------
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        """Metadata, config, statistics...: any ready instance answers as Triton would."""
+        body = await self._read_body(request)
+        headers = _forward_headers(request.headers)
+        rt = self._rt()
+        last: Exception | None = None
+        for instance in rt.fleet.healthy():
+            try:
+                return await self._exchange(instance, request, body, headers)
+            except UpstreamConnectError as exc:
+                rt.fleet.report_failure(instance, f"connection failed: {exc}")
+                last = exc
+        raise ProxyError(
+            Code.UNAVAILABLE,
+            "no ready Triton instance" + (f" (last error: {last})" if last else ""),
+        )
+
+    async def shared_memory(self, request: web.Request) -> web.Response:
+        raise ProxyError(Code.UNSUPPORTED, SHARED_MEMORY_MESSAGE)
+
+    def _check_admin(self, request: web.Request) -> None:
+        admin = self._rt().config.admin
+        if not admin.enabled or not admin.token:
+            raise ProxyError(
+                Code.PERMISSION_DENIED,
+                "model control through triton-proxy is disabled; enable it with admin.enabled "
+                "and admin.token in the policy file",
+            )
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), admin.token.encode()):
+            raise ProxyError(
+                Code.PERMISSION_DENIED,
+                "model control needs the admin token: send 'Authorization: Bearer <token>'",
+            )
+
+    async def admin_first(self, request: web.Request) -> web.StreamResponse:
+        self._check_admin(request)
+        return await self.relay(request)
+
+    async def admin_all(self, request: web.Request) -> web.Response:
+        """Load/unload/settings go to every instance; the first failure is returned."""
+        self._check_admin(request)
+        body = await self._read_body(request)
+        headers = _forward_headers(request.headers)
+        headers.pop("Authorization", None)
+        rt = self._rt()
+        answers: list[tuple[str, int, bytes, Any]] = []
+        for instance in rt.fleet.all():
+            session = rt.upstreams.session(instance)
+            try:
+                async with session.request(
+                    request.method, request.rel_url.path_qs, data=body or None, headers=headers
+                ) as resp:
+                    answers.append((instance.name, resp.status, await resp.read(), resp.headers))
+            except aiohttp.ClientError as exc:
+                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}"), {}))
+        failed = [a for a in answers if a[1] >= 400]
+        name, status, data, hdrs = failed[0] if failed else answers[0]
+        if failed and len(answers) > 1:
+            message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
+            data = error_body(
+                f"{message} (on instance '{name}'; {len(failed)} of "
+                f"{len(answers)} instances failed)"
+            )
+        return web.Response(status=status, body=data, content_type="application/json")

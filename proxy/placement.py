@@ -1,0 +1,65 @@
+"""Turns the fleet's state into routing candidates and asks the router for one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.snapshot import InstanceSnapshot
+from proxy.fleet.upstream import HttpUpstreams
+from proxy.routing.base import Candidate, RouteRequest
+
+Chooser = Callable[[Sequence[Candidate], RouteRequest], Candidate]
+SnapshotSource = Callable[[str], tuple[InstanceSnapshot | None, bool]]
+"""instance name -> (last snapshot or None, stale?)"""
+WeightSource = Callable[[str, str], float]
+"""(instance, model) -> selection weight from instance feedback"""
+
+
+def _no_snapshot(name: str) -> tuple[InstanceSnapshot | None, bool]:
+    return None, False
+
+
+def _unit_weight(name: str, model: str) -> float:
+    return 1.0
+
+
+class FleetPlacement:
+    def __init__(
+        self,
+        fleet: Fleet,
+        upstreams: HttpUpstreams,
+        chooser: Chooser,
+        snapshots: SnapshotSource = _no_snapshot,
+        weights: WeightSource = _unit_weight,
+    ) -> None:
+        self.fleet = fleet
+        self.upstreams = upstreams
+        self.chooser = chooser
+        self.snapshots = snapshots
+        self.weights = weights
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+        out = []
+        for inst in self.fleet.healthy():
+            if inst.name in exclude:
+                continue
+            snap, stale = self.snapshots(inst.name)
+            out.append(
+                Candidate(
+                    name=inst.name,
+                    in_flight=inst.in_flight,
+                    model_in_flight=inst.model_in_flight.get(model, 0),
+                    connections=self.upstreams.open_connections(inst) + inst.streams,
+                    snapshot=snap,
+                    stale=stale,
+                    weight=self.weights(inst.name, model),
+                )
+            )
+        return out
+
+    def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
+        candidates = self.candidates(request.model, exclude)
+        if not candidates:
+            return None
+        return self.fleet.get(self.chooser(candidates, request).name)
