@@ -11,7 +11,6 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -237,18 +236,18 @@ class HttpFrontend:
         headers = _forward_headers(request.headers)
         headers.pop("Authorization", None)
         rt = self._rt()
-        answers: list[tuple[str, int, bytes, Any]] = []
+        answers: list[tuple[str, int, bytes]] = []
         for instance in rt.fleet.all():
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
                     request.method, request.rel_url.path_qs, data=body or None, headers=headers
                 ) as resp:
-                    answers.append((instance.name, resp.status, await resp.read(), resp.headers))
+                    answers.append((instance.name, resp.status, await resp.read()))
             except aiohttp.ClientError as exc:
-                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}"), {}))
+                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}")))
         failed = [a for a in answers if a[1] >= 400]
-        name, status, data, hdrs = failed[0] if failed else answers[0]
+        name, status, data = failed[0] if failed else answers[0]
         if failed and len(answers) > 1:
             message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
             data = error_body(
