@@ -8,6 +8,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -16,6 +17,7 @@ from proxy.config import ProxyConfig
 from proxy.frontends.http import HttpFrontend
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.runtime import Runtime
+from proxy.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,28 @@ class ProxyServer:
     """Starts and stops the proxy's servers for one config."""
 
     def __init__(
-        self, config: ProxyConfig, *, clock: Clock | None = None, rng: random.Random | None = None
+        self,
+        config: ProxyConfig,
+        *,
+        policy_path: Path | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        self.policy_path = policy_path
         self.clock = clock or MonotonicClock()
         self.rng = rng or random.Random()
+        self.telemetry = telemetry or Telemetry()
         self.runtime = Runtime(config, self.clock, self.rng, _round_robin(), _Unlimited())  # type: ignore[arg-type]
+        self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self.ports: BoundPorts | None = None
+
+    def request_reload(self) -> None:
+        """Re-read the policy file (SIGHUP); a bad file keeps the running policy."""
+        log.warning("policy reload requested but not implemented yet")
 
     def current(self) -> Runtime:
         return self.runtime
@@ -69,8 +85,21 @@ class ProxyServer:
         site = web.TCPSite(self._http_runner, listen.host, listen.http_port, reuse_address=True)
         await site.start()
         http_port = self._http_runner.addresses[0][1]
-        self.ports = BoundPorts(http=http_port, grpc=None, metrics=None)
+        self._metrics_runner, metrics_port = await self._start_metrics()
+        self.ports = BoundPorts(http=http_port, grpc=None, metrics=metrics_port)
         return self.ports
+
+    async def _start_metrics(self) -> tuple[web.AppRunner, int]:
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=self.telemetry.exposition(), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        listen = self.config.listen
+        await web.TCPSite(runner, listen.host, listen.metrics_port, reuse_address=True).start()
+        return runner, runner.addresses[0][1]
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests drain (bounded), then cancel the rest."""
@@ -81,6 +110,9 @@ class ProxyServer:
                 await asyncio.sleep(0.05)
             await self._http_runner.cleanup()
             self._http_runner = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         await self.runtime.stop()
 
     async def __aenter__(self) -> ProxyServer:

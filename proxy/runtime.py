@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+
+from prometheus_client.core import Metric
 
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
@@ -45,6 +47,10 @@ class Runtime:
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.session_header) or None
+
+    def extra_metrics(self) -> Iterator[Metric]:
+        """Gauges of subsystems that export state at scrape time."""
+        return iter(())
 
     async def start(self) -> None:
         await self.health.start()

@@ -1,0 +1,175 @@
+"""``triton-proxy``: run the proxy, a local fleet behind it, or the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy import config as config_mod
+from proxy.app import BoundPorts, ProxyServer
+from proxy.strict import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_REPOSITORY = ROOT / "model_repository"
+DEFAULT_MODELS = ("simple", "text_encoder", "accel_sim", "text_generator", "accumulator")
+log = logging.getLogger("triton_proxy")
+
+
+async def _serve(server: ProxyServer, banner: str = "") -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(AttributeError):  # SIGHUP is POSIX-only
+        loop.add_signal_handler(signal.SIGHUP, server.request_reload)
+    ports = await server.start()
+    try:
+        print(_endpoints(ports) + banner, flush=True)
+        await stop.wait()
+        print("triton-proxy: stopping (draining in-flight requests)...", flush=True)
+    finally:
+        await server.stop()
+
+
+def _endpoints(ports: BoundPorts) -> str:
+    lines = [f"triton-proxy ready: HTTP localhost:{ports.http}"]
+    if ports.grpc:
+        lines.append(f"  gRPC localhost:{ports.grpc}")
+    if ports.metrics:
+        lines.append(f"  metrics http://localhost:{ports.metrics}/metrics")
+    return "\n".join(lines)
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = config_mod.load_file(args.policy)
+    _run(_serve(ProxyServer(cfg, policy_path=Path(args.policy))))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = config_mod.load_file(args.policy)
+    print(f"{args.policy}: OK ({len(cfg.instances)} instances)")
+    return 0
+
+
+def local_policy(
+    servers: Sequence[Any], base: dict[str, Any], ports: tuple[int, int, int]
+) -> dict[str, Any]:
+    """A policy document naming ``servers`` (LocalFleet's), on top of ``base``."""
+    doc = dict(base)
+    doc["instances"] = [
+        {"name": s.name, "http": s.http_url, "grpc": s.grpc_address, "metrics": s.metrics_url}
+        for s in servers
+    ]
+    listen = dict(doc.get("listen") or {})
+    listen.update(http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2])
+    doc["listen"] = listen
+    return doc
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from proxy.local import LocalFleet, sigterm_raises_exit
+
+    base: dict[str, Any] = {}
+    if args.policy:
+        base = yaml.safe_load(Path(args.policy).read_text()) or {}
+        base.pop("instances", None)
+    log_dir = Path(args.log_dir)
+    models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    print(
+        f"starting {args.instances} Triton servers ({', '.join(models)}); logs in {log_dir}",
+        flush=True,
+    )
+    with (
+        sigterm_raises_exit(),
+        LocalFleet(args.instances, Path(args.model_repository), models, log_dir) as fleet,
+    ):
+        servers = fleet.start()
+        for s in servers:
+            print(f"  {s.name}: HTTP {s.http_url}  gRPC {s.grpc_address}  (log {s.log_path})")
+        doc = local_policy(servers, base, (args.http_port, args.grpc_port, args.metrics_port))
+        cfg = config_mod.parse(doc, args.policy or "<up>")
+        example = (
+            f"\nTry: curl -s localhost:{args.http_port}/v2/models/simple/infer -d "
+            '\'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"INT32",'
+            '"data":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]},{"name":"INPUT1",'
+            '"shape":[1,16],"datatype":"INT32","data":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}]}\''
+            f"\nPoint tritonclient at localhost:{args.http_port} (HTTP) or "
+            f"localhost:{args.grpc_port} (gRPC). Ctrl-C stops everything."
+        )
+        _run(
+            _serve(
+                ProxyServer(cfg, policy_path=Path(args.policy) if args.policy else None), example
+            )
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="triton-proxy", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the proxy in front of the Triton servers a policy names")
+    s.add_argument("--policy", required=True, help="policy YAML file (see policies/)")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("check", help="validate a policy file and exit")
+    c.add_argument("--policy", required=True)
+    c.set_defaults(func=cmd_check)
+
+    u = sub.add_parser("up", help="start local Triton servers and the proxy in front of them")
+    u.add_argument("--instances", type=int, default=3)
+    u.add_argument("--models", default="", help=f"comma list (default: {','.join(DEFAULT_MODELS)})")
+    u.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    u.add_argument("--policy", default="", help="policy file whose non-instance sections to use")
+    u.add_argument("--log-dir", default=str(ROOT / "runs" / "logs"))
+    u.add_argument("--http-port", type=int, default=8000)
+    u.add_argument("--grpc-port", type=int, default=8001)
+    u.add_argument("--metrics-port", type=int, default=8002)
+    u.set_defaults(func=cmd_up)
+
+    try:
+        from proxy.bench.cli import add_parser as add_bench
+    except ImportError:
+        pass
+    else:
+        add_bench(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"triton-proxy: invalid policy: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
