@@ -1,0 +1,292 @@
+"""The policy file's ``scheduling:`` section: request classes, dispatch order, quotas, API keys.
+
+Load it with ``strict.load(SchedulingConfig, data, "scheduling", source)`` (or
+:func:`load_scheduling`); every check below runs at load time and fails with the file and the
+path inside it. Omitting the section gives three classes::
+
+    scheduling:
+      default_class: online
+      dispatch: strict_aging            # or weighted_round_robin
+      aging: {step_s: 1.0}              # strict_aging: one rank level gained per step_s waited
+      max_queued_total: null            # global queue bound; over it, the lowest classes shed
+      retry_after_s: 1.0                # Retry-After sent with every shed
+      concurrency: null                 # per-instance dispatch slots; null = derived
+      class_header: x-triton-proxy-class
+      api_key_header: authorization     # "Authorization: Bearer <key>"; other names: raw value
+      api_keys:
+        "sha256:9f86d0...":             # sha256 hex of the key, or the key itself
+          class_name: realtime
+          allow_class_header: true      # this key may pick any class with class_header
+      classes:
+        realtime: {rank: 0, triton_priority: 1, slo_p99_ms: 100, min_share: 0.2,
+                   max_queue: 200, queue_timeout_s: 2, weight: 6}
+        online:   {rank: 1, triton_priority: 2, slo_p99_ms: 500,
+                   max_queue: 1000, queue_timeout_s: 10, weight: 3}
+        offline:  {rank: 2, triton_priority: 3, max_share: 0.5,
+                   max_queue: 5000, queue_timeout_s: 120, weight: 1}
+
+``classes`` replaces the default set as a whole; ``default_class`` must name one of them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from proxy import strict
+
+DispatchMode = Literal["strict_aging", "weighted_round_robin"]
+
+HASHED_KEY_PREFIX = "sha256:"
+"""An ``api_keys`` entry starting with this holds the key's SHA-256 hex digest, not the key."""
+
+_CLASS_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # also a header value and a metric label
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")  # RFC 9110 token
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    """One request class. Lower ``rank`` is more important (0 = most)."""
+
+    rank: int
+    triton_priority: int = 0
+    """Triton dynamic-batcher priority level set on forwarded requests (1 = highest); 0 = unset.
+    See :meth:`SchedulingConfig.triton_priority_for`."""
+    slo_p99_ms: float | None = None
+    """Latency objective; read by the SLO controllers, not by the queues."""
+    max_concurrency: int | None = None
+    """Hard cap on this class's requests in flight, whatever the capacity."""
+    min_share: float = 0.0
+    """Fraction of capacity reserved while this class has work waiting: others cannot take the
+    last ``floor(min_share * capacity)`` slots it is short of."""
+    max_share: float = 1.0
+    """This class never holds more than ``max(1, floor(max_share * capacity))`` slots."""
+    max_queue: int = 1000
+    """Queue length cap; a request arriving at a full queue is shed (``queue_full``)."""
+    queue_timeout_s: float | None = 30.0
+    """A request still queued after this long is shed (``timeout``); null = wait for ever."""
+    weight: int = 1
+    """Share of dispatches under ``weighted_round_robin``."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0 (0 = most important), got {self.rank}")
+        if self.triton_priority < 0:
+            raise ValueError(
+                f"triton_priority must be >= 0 (1 = highest, 0 = unset), got {self.triton_priority}"
+            )
+        if self.slo_p99_ms is not None and self.slo_p99_ms <= 0:
+            raise ValueError(f"slo_p99_ms must be > 0, got {self.slo_p99_ms}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1 or null, got {self.max_concurrency}")
+        if not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(
+                f"max_share must be within (0, 1] (0 would starve the class), got {self.max_share}"
+            )
+        if self.min_share > self.max_share:
+            raise ValueError(
+                f"min_share ({self.min_share}) must not exceed max_share ({self.max_share})"
+            )
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0 or null, got {self.queue_timeout_s}")
+        if self.weight < 1:
+            raise ValueError(f"weight must be >= 1, got {self.weight}")
+
+    def share_limit(self, capacity: int) -> int:
+        """Most slots this class may hold out of ``capacity`` (max_share and max_concurrency).
+
+        Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
+        """
+        limit = capacity
+        if self.max_share < 1.0:
+            limit = max(1, math.floor(self.max_share * capacity + 1e-9))
+        if self.max_concurrency is not None:
+            limit = min(limit, self.max_concurrency)
+        return limit
+
+    def reserved(self, capacity: int) -> int:
+        """Slots guaranteed to this class while it has work waiting (``min_share``)."""
+        return min(math.floor(self.min_share * capacity + 1e-9), self.share_limit(capacity))
+
+
+@dataclass(frozen=True)
+class AgingConfig:
+    """Anti-starvation for ``strict_aging``.
+
+    A request's effective rank is ``max(0, rank - floor(waited / step_s))``; the queue heads are
+    served in order of (effective rank, arrival time). A request of rank ``r`` that arrives at
+    ``t0`` therefore has effective rank 0 from ``t0 + r * step_s`` on, and from then on only
+    requests that were already queued at ``t0`` can be dispatched before it (later ones lose the
+    tie on arrival time). Its wait is thus bounded by::
+
+        r * step_s + (time to dispatch the requests queued ahead of it at t0)
+
+    where "ahead" is at most ``max_queued_total`` (or the sum of the ``max_queue``), provided
+    its own class is not held at its ``max_share`` / ``max_concurrency`` cap (then it waits for
+    its own class's slots, which free up as they complete) and capacity is not zero.
+    """
+
+    step_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.step_s > 0:
+            raise ValueError(f"step_s must be > 0, got {self.step_s}")
+
+
+@dataclass(frozen=True)
+class ApiKeyConfig:
+    """What one API key grants."""
+
+    class_name: str
+    allow_class_header: bool = False
+    """Trust this key's ``class_header``: it may choose any configured class per request."""
+
+
+def _default_classes() -> Mapping[str, ClassConfig]:
+    return MappingProxyType(
+        {
+            "realtime": ClassConfig(
+                rank=0,
+                triton_priority=1,
+                slo_p99_ms=100.0,
+                min_share=0.2,
+                max_queue=200,
+                queue_timeout_s=2.0,
+                weight=6,
+            ),
+            "online": ClassConfig(
+                rank=1,
+                triton_priority=2,
+                slo_p99_ms=500.0,
+                max_queue=1000,
+                queue_timeout_s=10.0,
+                weight=3,
+            ),
+            "offline": ClassConfig(
+                rank=2,
+                triton_priority=3,
+                max_share=0.5,
+                max_queue=5000,
+                queue_timeout_s=120.0,
+                weight=1,
+            ),
+        }
+    )
+
+
+def _no_keys() -> Mapping[str, ApiKeyConfig]:
+    return MappingProxyType({})
+
+
+def _mask(key: str) -> str:
+    """Enough of a key to find it in the file, not enough to use it."""
+    if key.startswith(HASHED_KEY_PREFIX):
+        return key[: len(HASHED_KEY_PREFIX) + 8] + "..."
+    return key[:4] + "..." if len(key) > 8 else "..."
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """The whole ``scheduling:`` section, validated and frozen."""
+
+    classes: Mapping[str, ClassConfig] = field(default_factory=_default_classes)
+    default_class: str = "online"
+    """Class of requests without a known API key."""
+    dispatch: DispatchMode = "strict_aging"
+    aging: AgingConfig = field(default_factory=AgingConfig)
+    max_queued_total: int | None = None
+    """Bound on requests queued over all classes; null = only the per-class ``max_queue``."""
+    retry_after_s: float = 1.0
+    api_keys: Mapping[str, ApiKeyConfig] = field(default_factory=_no_keys)
+    class_header: str = "x-triton-proxy-class"
+    api_key_header: str = "authorization"
+    """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
+    concurrency: int | None = None
+    """Dispatch slots per Triton instance; null = :func:`derive_concurrency` from the model."""
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            raise ValueError("classes must name at least one class")
+        for name in self.classes:
+            if not _CLASS_NAME.match(name):
+                raise ValueError(
+                    f"class name {name!r} must be letters, digits, '_', '.' or '-' only"
+                )
+        total_min = sum(c.min_share for c in self.classes.values())
+        if total_min > 1.0 + 1e-9:
+            raise ValueError(f"the classes' min_share add up to {total_min:g}, more than 1")
+        known = ", ".join(sorted(self.classes))
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not a class; known: {known}")
+        for key, grant in self.api_keys.items():
+            if not key:
+                raise ValueError("api_keys: an empty key")
+            if grant.class_name not in self.classes:
+                raise ValueError(
+                    f"api_keys[{_mask(key)}]: class {grant.class_name!r} is not a class; "
+                    f"known: {known}"
+                )
+            if key.startswith(HASHED_KEY_PREFIX) and not re.fullmatch(
+                r"[0-9a-fA-F]{64}", key[len(HASHED_KEY_PREFIX) :]
+            ):
+                raise ValueError(
+                    f"api_keys[{_mask(key)}]: after '{HASHED_KEY_PREFIX}' give 64 hex digits"
+                )
+        for what, header in (
+            ("class_header", self.class_header),
+            ("api_key_header", self.api_key_header),
+        ):
+            if not _HEADER_NAME.match(header):
+                raise ValueError(f"{what} {header!r} is not a valid header name")
+        if self.max_queued_total is not None and self.max_queued_total < 1:
+            raise ValueError(f"max_queued_total must be >= 1 or null, got {self.max_queued_total}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1 or null, got {self.concurrency}")
+
+    def triton_priority_for(self, class_name: str, priority_levels: int) -> int | None:
+        """The ``priority`` parameter to set on a request of ``class_name``, or None for none.
+
+        ``priority_levels`` is the target model's ``dynamic_batching.priority_levels`` (0 when
+        absent). Triton ignores priority without priority levels, so none is set then, nor for
+        a class with ``triton_priority: 0``. A level above the model's count is clamped to its
+        lowest level (``priority_levels``): Triton itself would treat it as the *default*
+        level, which may rank above it and would invert the classes.
+        """
+        cls = self.classes.get(class_name)
+        if cls is None or cls.triton_priority == 0 or priority_levels <= 0:
+            return None
+        return min(cls.triton_priority, priority_levels)
+
+    def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
+        """Dispatch slots for one Triton instance: ``concurrency``, else derived from the model."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return derive_concurrency(max_batch_size, model_instances)
+
+
+def derive_concurrency(max_batch_size: int, model_instances: int = 1) -> int:
+    """Requests to keep in flight on one Triton instance: ``2 * max(1, max_batch_size) * n``.
+
+    One full batch executing and one forming per model instance (``instance_group`` count n)
+    keeps the instance busy while leaving the rest of the queue in the proxy, where ordering is
+    ours; more only moves the queue into Triton's FIFO. ``max_batch_size`` 0 (no batching)
+    counts as 1.
+    """
+    return 2 * max(1, max_batch_size) * max(1, model_instances)
+
+
+def load_scheduling(
+    data: Any, source: str | None = None, path: str = "scheduling"
+) -> SchedulingConfig:
+    """Strictly load the section from plain YAML data (None = all defaults)."""
+    return strict.load(SchedulingConfig, data, path, source)

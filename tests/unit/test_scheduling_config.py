@@ -1,0 +1,151 @@
+"""The scheduling section: defaults, strict loading, validation, helper formulas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.scheduling.config import (
+    ClassConfig,
+    SchedulingConfig,
+    derive_concurrency,
+    load_scheduling,
+)
+from proxy.strict import ConfigError
+
+
+def test_defaults_are_three_valid_classes() -> None:
+    config = load_scheduling(None)
+    assert list(config.classes) == ["realtime", "online", "offline"]
+    ranks = [c.rank for c in config.classes.values()]
+    assert ranks == sorted(ranks)
+    assert config.default_class == "online"
+    assert config.dispatch == "strict_aging"
+    assert config == SchedulingConfig()
+
+
+def test_full_section_loads() -> None:
+    config = load_scheduling(
+        {
+            "default_class": "batch",
+            "dispatch": "weighted_round_robin",
+            "aging": {"step_s": 0.25},
+            "max_queued_total": 100,
+            "concurrency": 8,
+            "api_key_header": "x-api-key",
+            "api_keys": {"k1": {"class_name": "rt", "allow_class_header": True}},
+            "classes": {
+                "rt": {"rank": 0, "triton_priority": 1, "min_share": 0.25, "weight": 4},
+                "batch": {"rank": 1, "max_share": 0.3, "queue_timeout_s": None},
+            },
+        },
+        source="policy.yaml",
+    )
+    assert config.classes["batch"].queue_timeout_s is None
+    assert config.classes["rt"].weight == 4
+    assert config.api_keys["k1"].allow_class_header is True
+    assert config.aging.step_s == 0.25
+
+
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"classes": {"a": {"rank": -1}}, "default_class": "a"}, "rank must be >= 0"),
+    ({"classes": {"a": {"rank": 0, "min_share": 1.5}}, "default_class": "a"}, "min_share"),
+    ({"classes": {"a": {"rank": 0, "max_share": 0}}, "default_class": "a"}, "max_share"),
+    (
+        {"classes": {"a": {"rank": 0, "min_share": 0.5, "max_share": 0.4}}, "default_class": "a"},
+        "must not exceed max_share",
+    ),
+    ({"classes": {"a": {"rank": 0, "weight": 0}}, "default_class": "a"}, "weight"),
+    ({"classes": {"a": {"rank": 0, "max_queue": 0}}, "default_class": "a"}, "max_queue"),
+    ({"classes": {"a": {"rank": 0, "queue_timeout_s": 0}}, "default_class": "a"}, "timeout"),
+    ({"classes": {"a": {"rank": 0, "max_concurrency": 0}}, "default_class": "a"}, "max_conc"),
+    ({"classes": {"a": {"rank": 0, "triton_priority": -1}}, "default_class": "a"}, "triton_pr"),
+    ({"classes": {"a": {"rank": 0}}}, "default_class 'online' is not a class"),
+    ({"classes": {}}, "at least one class"),
+    ({"classes": {"a b": {"rank": 0}}, "default_class": "a b"}, "class name"),
+    (
+        {
+            "classes": {"a": {"rank": 0, "min_share": 0.6}, "b": {"rank": 1, "min_share": 0.6}},
+            "default_class": "a",
+        },
+        "add up to 1.2",
+    ),
+    ({"api_keys": {"secret-key-123": {"class_name": "vip"}}}, "class 'vip' is not a class"),
+    ({"api_keys": {"sha256:abc": {"class_name": "online"}}}, "64 hex digits"),
+    ({"aging": {"step_s": 0}}, "step_s"),
+    ({"dispatch": "fifo"}, "must be one of"),
+    ({"max_queued_total": 0}, "max_queued_total"),
+    ({"concurrency": 0}, "concurrency"),
+    ({"class_header": "bad header"}, "class_header"),
+    ({"classes": {"online": {"rank": 0, "weigth": 2}}}, "did you mean 'weight'"),
+    ({"clases": {}}, "did you mean 'classes'"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD)
+def test_invalid_sections_are_errors_with_a_path(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_scheduling(data, source="policy.yaml")
+    assert message in str(info.value)
+    assert str(info.value).startswith("policy.yaml: scheduling")
+
+
+def test_api_key_errors_do_not_print_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_scheduling({"api_keys": {"secret-key-123": {"class_name": "vip"}}})
+    assert "secret-key-123" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("triton_priority", "levels", "expected"),
+    [
+        (1, 3, 1),
+        (3, 3, 3),
+        (5, 3, 3),  # above the model's levels: its lowest level, not Triton's default
+        (2, 0, None),  # the model has no priority levels: Triton would ignore it
+        (0, 3, None),  # the class asks for none
+    ],
+)
+def test_triton_priority_for(triton_priority: int, levels: int, expected: int | None) -> None:
+    config = SchedulingConfig(
+        classes={"a": ClassConfig(rank=0, triton_priority=triton_priority)}, default_class="a"
+    )
+    assert config.triton_priority_for("a", levels) == expected
+    assert config.triton_priority_for("nope", levels) is None
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "instances", "expected"), [(0, 1, 2), (1, 1, 2), (8, 1, 16), (8, 2, 32)]
+)
+def test_derive_concurrency(max_batch_size: int, instances: int, expected: int) -> None:
+    assert derive_concurrency(max_batch_size, instances) == expected
+    assert SchedulingConfig().instance_concurrency(max_batch_size, instances) == expected
+    assert SchedulingConfig(concurrency=5).instance_concurrency(max_batch_size, instances) == 5
+
+
+@pytest.mark.parametrize(
+    ("capacity", "max_share", "max_concurrency", "min_share", "limit", "reserved"),
+    [
+        (10, 0.3, None, 0.0, 3, 0),
+        (2, 0.3, None, 0.0, 1, 0),  # never rounded down to nothing
+        (0, 0.3, None, 0.0, 1, 0),
+        (10, 1.0, 2, 0.5, 2, 2),  # the reservation never exceeds the cap
+        (10, 0.5, 4, 0.2, 4, 2),
+        (10, 1.0, None, 0.3, 10, 3),
+        (3, 1.0, None, 0.3, 3, 0),
+    ],
+)
+def test_share_limit_and_reservation(
+    capacity: int,
+    max_share: float,
+    max_concurrency: int | None,
+    min_share: float,
+    limit: int,
+    reserved: int,
+) -> None:
+    cls = ClassConfig(
+        rank=0, max_share=max_share, max_concurrency=max_concurrency, min_share=min_share
+    )
+    assert cls.share_limit(capacity) == limit
+    assert cls.reserved(capacity) == reserved
