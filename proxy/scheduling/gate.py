@@ -1,0 +1,302 @@
+"""The asyncio face of the class queues, used by the frontends.
+
+::
+
+    gate = Gate(config, capacity=lambda: fleet_slots(), clock=MonotonicClock())
+    try:
+        async with gate.admit(class_name) as ticket:
+            ...  # forward the request; ticket.class_name, ticket.waited_s
+    except Shed as shed:
+        ...  # 429 / RESOURCE_EXHAUSTED, Retry-After: shed.retry_after_s
+
+``admit`` waits in the class's queue until :class:`ClassQueues` dispatches it. Leaving the
+``async with`` block, by any path, releases the slot exactly once and dispatches the next
+waiter. A waiter whose task is cancelled (client went away) leaves the queue at once.
+Queue timeouts fire from a loop timer armed for the earliest deadline; with a fake clock, call
+:meth:`Gate.poke` after advancing it. Call ``poke`` too whenever capacity may have grown
+(an instance joined, a limit was raised): the gate reads ``capacity()`` on every release and
+poke, never in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from proxy.clock import Clock
+from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
+
+_MIN_TIMER_S = 0.001  # a fake clock that never reaches a deadline must not spin the loop
+
+
+class Shed(Exception):
+    """The request was turned away: answer 429 / RESOURCE_EXHAUSTED with ``Retry-After``.
+
+    ``reason`` ``shutdown`` means the gate is closing; answer 503 / UNAVAILABLE for that one.
+    """
+
+    def __init__(self, reason: ShedReason, retry_after_s: float, class_name: str) -> None:
+        super().__init__(f"request of class {class_name!r} shed: {reason.value}")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.class_name = class_name
+
+
+class GateObserver:
+    """Hooks called on every scheduling event; the base class ignores them all.
+
+    Calls happen synchronously inside the gate; keep them cheap and do not raise.
+    """
+
+    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
+        """A request left its queue after ``waited_s``; ``order`` counts dispatches from 0."""
+
+    def on_shed(self, class_name: str, reason: ShedReason) -> None:
+        """A request was turned away (at arrival, or later by timeout / eviction / shutdown)."""
+
+    def on_cancel(self, class_name: str) -> None:
+        """A queued request's client went away before it was dispatched."""
+
+    def on_complete(self, class_name: str) -> None:
+        """A dispatched request released its slot."""
+
+
+@dataclass(frozen=True)
+class DispatchRecord:
+    class_name: str
+    waited_s: float
+    order: int
+
+
+@dataclass
+class RecordingObserver(GateObserver):
+    """Keeps every event in lists, for tests that assert dispatch order."""
+
+    dispatches: list[DispatchRecord] = field(default_factory=list)
+    sheds: list[tuple[str, ShedReason]] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    completes: list[str] = field(default_factory=list)
+
+    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
+        self.dispatches.append(DispatchRecord(class_name, waited_s, order))
+
+    def on_shed(self, class_name: str, reason: ShedReason) -> None:
+        self.sheds.append((class_name, reason))
+
+    def on_cancel(self, class_name: str) -> None:
+        self.cancels.append(class_name)
+
+    def on_complete(self, class_name: str) -> None:
+        self.completes.append(class_name)
+
+    def order(self) -> list[str]:
+        """Class names in dispatch order."""
+        return [d.class_name for d in self.dispatches]
+
+
+class Ticket:
+    """A dispatched request's slot; released once, by the ``async with`` or by :meth:`release`."""
+
+    __slots__ = ("_gate", "_released", "class_name", "order", "waited_s")
+
+    def __init__(self, gate: Gate, class_name: str, waited_s: float, order: int) -> None:
+        self._gate = gate
+        self._released = False
+        self.class_name = class_name
+        self.waited_s = waited_s
+        self.order = order
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Free the slot now (idempotent), e.g. when a stream ends before the block does."""
+        if self._released:
+            return
+        self._released = True
+        self._gate._release(self)
+
+
+class Admission:
+    """``async with gate.admit(name) as ticket``: waits for a slot, releases it on exit."""
+
+    __slots__ = ("_class_name", "_gate", "_ticket")
+
+    def __init__(self, gate: Gate, class_name: str) -> None:
+        self._gate = gate
+        self._class_name = class_name
+        self._ticket: Ticket | None = None
+
+    async def __aenter__(self) -> Ticket:
+        self._ticket = await self._gate._acquire(self._class_name)
+        return self._ticket
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._ticket is not None:
+            self._ticket.release()
+
+
+class Gate:
+    """Admission of requests into a pool of ``capacity()`` dispatch slots, by class."""
+
+    def __init__(
+        self,
+        config: SchedulingConfig,
+        capacity: Callable[[], int],
+        clock: Clock,
+        observer: GateObserver | None = None,
+    ) -> None:
+        self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
+        self._capacity = capacity
+        self._clock = clock
+        self._observer = observer if observer is not None else GateObserver()
+        self._order = 0
+        self._closed = False
+        self._pumping = False
+        self._pump_again = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    @property
+    def config(self) -> SchedulingConfig:
+        return self._core.config
+
+    def admit(self, class_name: str) -> Admission:
+        """Wait for a slot for ``class_name``; raises :class:`Shed` when turned away.
+
+        A class the config does not know (a reload removed it) counts as the default class.
+        """
+        return Admission(self, class_name)
+
+    def queued(self, class_name: str | None = None) -> int:
+        return self._core.queued(class_name)
+
+    def in_flight(self, class_name: str | None = None) -> int:
+        return self._core.in_flight(class_name)
+
+    def poke(self) -> None:
+        """Expire timed-out waiters and dispatch as capacity allows; call when capacity grows."""
+        self._pump()
+
+    def reconfigure(self, config: SchedulingConfig) -> None:
+        """Swap in a reloaded section; waiters and in-flight slots carry over."""
+        self._core.reconfigure(config)
+        self._pump()
+
+    def close(self) -> None:
+        """Refuse new requests and shed every waiter (``shutdown``); in-flight ones finish."""
+        self._closed = True
+        for entry in self._core.drain():
+            self._fail(entry, ShedReason.SHUTDOWN)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def _acquire(self, class_name: str) -> Ticket:
+        config = self._core.config
+        name = class_name if class_name in config.classes else config.default_class
+        if self._closed:
+            self._observer.on_shed(name, ShedReason.SHUTDOWN)
+            raise Shed(ShedReason.SHUTDOWN, config.retry_after_s, name)
+        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        result = self._core.push(future, name, self._clock.now())
+        for victim in result.evicted:
+            self._fail(victim, ShedReason.OVERLOAD)
+        if result.entry is None:
+            reason = result.shed if result.shed is not None else ShedReason.OVERLOAD
+            self._observer.on_shed(name, reason)
+            raise Shed(reason, config.retry_after_s, name)
+        entry = result.entry
+        self._pump()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._abandon(entry)
+            raise
+
+    def _abandon(self, entry: Entry[asyncio.Future[Ticket]]) -> None:
+        future = entry.item
+        if future.done() and not future.cancelled():
+            if future.exception() is None:
+                # Dispatched in the same tick as the cancellation: the slot is ours to give back.
+                future.result().release()
+            return
+        if self._core.remove(entry):
+            self._observer.on_cancel(entry.class_name)
+            # Its class may have held a min_share reservation that others can now use.
+            self._pump()
+
+    def _release(self, ticket: Ticket) -> None:
+        self._core.release(ticket.class_name)
+        self._observer.on_complete(ticket.class_name)
+        self._pump()
+
+    def _fail(self, entry: Entry[asyncio.Future[Ticket]], reason: ShedReason) -> None:
+        future = entry.item
+        if future.done():  # cancelled while queued; its task is on its way out
+            self._observer.on_cancel(entry.class_name)
+            return
+        future.set_exception(Shed(reason, self._core.config.retry_after_s, entry.class_name))
+        self._observer.on_shed(entry.class_name, reason)
+
+    def _pump(self) -> None:
+        if self._pumping:  # an observer or a callback re-entered; the running pump loops again
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            again = True
+            while again:
+                self._pump_again = False
+                now = self._clock.now()
+                for expired in self._core.expire(now):
+                    self._fail(expired, ShedReason.TIMEOUT)
+                capacity = max(0, self._capacity())
+                while (entry := self._core.pop(now, capacity)) is not None:
+                    future = entry.item
+                    if future.done():
+                        # Its task was cancelled while queued and has not run its handler yet;
+                        # the handler will find it gone from the queue.
+                        self._core.release(entry.class_name)
+                        self._observer.on_cancel(entry.class_name)
+                        continue
+                    ticket = Ticket(self, entry.class_name, now - entry.enqueued_at, self._order)
+                    self._order += 1
+                    future.set_result(ticket)
+                    self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
+                again = self._pump_again
+            self._arm_timer()
+        finally:
+            self._pumping = False
+
+    def _arm_timer(self) -> None:
+        deadline = self._core.next_expiry()
+        if deadline is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        if self._timer is not None and self._timer_at <= deadline:
+            return  # armed early enough; firing early only re-arms
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop, so no waiters to time out
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(_MIN_TIMER_S, deadline - self._clock.now())
+        self._timer = loop.call_later(delay, self._on_timer)
+        self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._pump()

@@ -1,0 +1,250 @@
+"""The asyncio gate: waiting, order, shedding, cancellation, release exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from proxy.clock import Clock, FakeClock, MonotonicClock
+from proxy.scheduling.config import load_scheduling
+from proxy.scheduling.gate import Gate, RecordingObserver, Shed, Ticket
+from proxy.scheduling.queues import ShedReason
+
+CLASSES = {
+    "rt": {"rank": 0, "queue_timeout_s": 1.0},
+    "on": {"rank": 1, "queue_timeout_s": 5.0},
+    "off": {"rank": 2, "queue_timeout_s": 10.0},
+}
+
+
+class Harness:
+    def __init__(self, capacity: int = 1, clock: Clock | None = None, **section: Any) -> None:
+        section.setdefault("classes", CLASSES)
+        section.setdefault("default_class", "on")
+        section.setdefault("retry_after_s", 2.5)
+        self.capacity = capacity
+        self.clock = FakeClock()
+        self.observer = RecordingObserver()
+        self.gate = Gate(
+            load_scheduling(section), lambda: self.capacity, clock or self.clock, self.observer
+        )
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    def start(self, cls: str, hold: asyncio.Event | None = None) -> asyncio.Task[Ticket]:
+        """A request that waits for admission, then holds its slot until ``hold`` is set."""
+
+        async def run() -> Ticket:
+            async with self.gate.admit(cls) as ticket:
+                if hold is not None:
+                    await hold.wait()
+                return ticket
+
+        task = asyncio.create_task(run())
+        self.tasks.append(task)
+        return task
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.gate.close()
+    for task in harness.tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*harness.tasks, return_exceptions=True)
+    assert harness.gate.in_flight() == 0, "a slot leaked"
+    assert harness.gate.queued() == 0
+
+
+async def test_free_capacity_admits_at_once_and_releases_on_exit(h: Harness) -> None:
+    async with h.gate.admit("rt") as ticket:
+        assert ticket.class_name == "rt" and ticket.waited_s == 0.0 and ticket.order == 0
+        assert h.gate.in_flight("rt") == 1
+    assert h.gate.in_flight() == 0
+    assert ticket.released
+    assert h.observer.completes == ["rt"]
+
+
+async def test_waiters_dispatch_in_class_order(h: Harness) -> None:
+    hold = asyncio.Event()
+    first = h.start("off", hold)
+    await settle()
+    waiting = [h.start(c) for c in ("off", "on", "rt", "on")]
+    await settle()
+    assert h.gate.queued() == 4
+    h.clock.advance(0.5)
+    hold.set()
+    await asyncio.gather(first, *waiting)
+    assert h.observer.order() == ["off", "rt", "on", "on", "off"]
+    assert [d.order for d in h.observer.dispatches] == [0, 1, 2, 3, 4]
+    assert h.observer.dispatches[1].waited_s == pytest.approx(0.5)
+    assert h.observer.completes.count("off") == 2
+
+
+async def test_cancelled_waiter_leaves_the_queue_at_once(h: Harness) -> None:
+    hold = asyncio.Event()
+    holder = h.start("on", hold)
+    await settle()
+    waiter = h.start("rt")
+    await settle()
+    assert h.gate.queued("rt") == 1
+    waiter.cancel()
+    await settle()
+    assert waiter.cancelled()
+    assert h.gate.queued() == 0
+    assert h.observer.cancels == ["rt"]
+    hold.set()
+    await holder
+    assert h.observer.order() == ["on"]  # the cancelled one was never dispatched
+    assert h.gate.in_flight() == 0
+
+
+async def test_cancelled_in_the_same_tick_as_its_dispatch_gives_the_slot_back(h: Harness) -> None:
+    admission = h.gate.admit("on")
+    held = await admission.__aenter__()
+    waiter = h.start("rt")
+    await settle()
+    held.release()  # dispatches the waiter, which has not run yet...
+    waiter.cancel()  # ...and is cancelled before it can
+    await admission.__aexit__(None, None, None)
+    await settle()
+    assert waiter.cancelled()
+    assert h.observer.order() == ["on", "rt"]
+    assert h.gate.in_flight() == 0
+    assert h.observer.completes == ["on", "rt"]
+
+
+async def test_waiter_cancelled_before_its_handler_ran_is_skipped(h: Harness) -> None:
+    admission = h.gate.admit("on")
+    held = await admission.__aenter__()
+    first = h.start("rt")
+    second = h.start("on")
+    await settle()
+    first.cancel()  # its future is cancelled now; its except-handler runs later
+    held.release()  # the pump pops the cancelled one, gives its slot back, takes the next
+    await admission.__aexit__(None, None, None)
+    assert (await second).class_name == "on"
+    await settle()
+    assert first.cancelled()
+    assert h.observer.order() == ["on", "on"]
+    assert h.observer.cancels == ["rt"]
+
+
+async def test_release_exactly_once_on_error_and_explicit_release(h: Harness) -> None:
+    h.capacity = 2
+    with pytest.raises(KeyError):
+        async with h.gate.admit("rt"):
+            raise KeyError("boom")
+    assert h.gate.in_flight() == 0
+    async with h.gate.admit("rt") as ticket:
+        ticket.release()
+        ticket.release()
+        assert h.gate.in_flight() == 0
+    assert h.gate.in_flight() == 0
+    assert h.observer.completes == ["rt", "rt"]
+
+
+async def test_full_queue_sheds_with_retry_after() -> None:
+    h = Harness(capacity=0, classes={"a": {"rank": 0, "max_queue": 1}}, default_class="a")
+    waiter = h.start("a")
+    await settle()
+    with pytest.raises(Shed) as info:
+        async with h.gate.admit("a"):
+            pass
+    assert info.value.reason is ShedReason.QUEUE_FULL
+    assert info.value.retry_after_s == 2.5
+    assert info.value.class_name == "a"
+    assert h.observer.sheds == [("a", ShedReason.QUEUE_FULL)]
+    h.gate.close()
+    with pytest.raises(Shed) as closed:
+        await waiter
+    assert closed.value.reason is ShedReason.SHUTDOWN
+
+
+async def test_queue_timeout_sheds_the_waiter(h: Harness) -> None:
+    hold = asyncio.Event()
+    holder = h.start("off", hold)
+    await settle()
+    rt = h.start("rt")
+    on = h.start("on")
+    await settle()
+    h.clock.advance(1.0)
+    h.gate.poke()
+    await settle()
+    with pytest.raises(Shed) as info:
+        await rt
+    assert info.value.reason is ShedReason.TIMEOUT
+    assert not on.done()
+    hold.set()
+    await holder
+    assert (await on).class_name == "on"
+    assert h.observer.sheds == [("rt", ShedReason.TIMEOUT)]
+
+
+async def test_timer_expires_waiters_without_a_poke() -> None:
+    h = Harness(
+        capacity=0,
+        clock=MonotonicClock(),
+        classes={"a": {"rank": 0, "queue_timeout_s": 0.02}},
+        default_class="a",
+    )
+    with pytest.raises(Shed) as info:
+        await asyncio.wait_for(h.start("a"), timeout=5)
+    assert info.value.reason is ShedReason.TIMEOUT
+    h.gate.close()
+
+
+async def test_overload_evicts_a_waiting_lower_class() -> None:
+    h = Harness(capacity=0, max_queued_total=2)
+    off = h.start("off")
+    on = h.start("on")
+    await settle()
+    rt = h.start("rt")
+    await settle()
+    with pytest.raises(Shed) as info:
+        await off
+    assert info.value.reason is ShedReason.OVERLOAD and info.value.class_name == "off"
+    h.capacity = 5
+    h.gate.poke()
+    assert (await rt).class_name == "rt"
+    assert (await on).class_name == "on"
+    h.gate.close()
+
+
+async def test_capacity_growth_is_picked_up_by_poke(h: Harness) -> None:
+    h.capacity = 0
+    waiters = [h.start("on") for _ in range(3)]
+    await settle()
+    assert h.gate.queued() == 3
+    h.capacity = 2
+    h.gate.poke()
+    await settle()
+    assert sum(w.done() for w in waiters) == 3  # two dispatched, then their releases the third
+    assert h.observer.order() == ["on", "on", "on"]
+
+
+async def test_unknown_class_counts_as_default(h: Harness) -> None:
+    async with h.gate.admit("gone") as ticket:
+        assert ticket.class_name == "on"
+
+
+async def test_reconfigure_keeps_waiters(h: Harness) -> None:
+    hold = asyncio.Event()
+    holder = h.start("off", hold)
+    await settle()
+    waiter = h.start("rt")
+    await settle()
+    h.gate.reconfigure(load_scheduling({"classes": {"on": {"rank": 0}}, "default_class": "on"}))
+    hold.set()
+    await holder
+    assert (await waiter).class_name == "on"
+    assert h.gate.in_flight() == 0
