@@ -27,6 +27,10 @@ class ModelLoad:
     """Successful requests per second over the window."""
     mean_batch: float | None = None
     """Inferences per execution over the window."""
+    failure_rate: float = 0.0
+    """Failed requests per second over the window (all ``reason`` labels)."""
+    kv_cache_fraction: float | None = None
+    """TensorRT-LLM KV-cache blocks used / max for this model, when exported."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class InstanceSnapshot:
     """TensorRT-LLM KV-cache blocks used / max, when the backend exports it."""
     active_requests: float | None = None
     """TensorRT-LLM active requests, when exported."""
+    waiting_requests: float | None = None
+    """TensorRT-LLM requests waiting for a slot, when exported."""
 
     def model(self, name: str) -> ModelLoad:
         return self.models.get(name, ModelLoad())
