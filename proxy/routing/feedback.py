@@ -1,0 +1,102 @@
+"""Instance feedback: an instance whose queue wait stays high gets a lower selection weight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.clock import Clock
+from proxy.fleet.snapshot import InstanceSnapshot
+
+
+@dataclass(frozen=True)
+class FeedbackParams:
+    enabled: bool = True
+    queue_p95_threshold_us: float = 100_000.0
+    """A window is bad when the model's queue-wait P95 on the instance is above this (µs)."""
+    windows: int = 3
+    """Consecutive bad (good) windows before the weight steps down (up)."""
+    factor: float = 0.5
+    """Weight multiplier per step down; recovery divides by it, up to 1.0."""
+    floor: float = 0.1
+    """The weight never drops below this: a penalised instance still gets some traffic, so
+    its recovery can be observed."""
+    window_s: float = 5.0
+    """Minimum clock time between two evaluations of one (instance, model)."""
+
+    def __post_init__(self) -> None:
+        if self.queue_p95_threshold_us <= 0:
+            raise ValueError("queue_p95_threshold_us must be > 0")
+        if self.windows < 1:
+            raise ValueError("windows must be >= 1")
+        if not 0.0 < self.factor < 1.0:
+            raise ValueError("factor must be in (0, 1)")
+        if not 0.0 < self.floor <= 1.0:
+            raise ValueError("floor must be in (0, 1]")
+        if self.window_s <= 0:
+            raise ValueError("window_s must be > 0")
+
+
+@dataclass
+class _State:
+    weight: float = 1.0
+    bad: int = 0
+    good: int = 0
+    evaluated_at: float | None = None
+    seen_taken_at: float | None = None
+
+
+class InstanceFeedback:
+    """Per (instance, model) selection weight from the snapshot's queue-wait P95.
+
+    A window is one evaluation: at least ``window_s`` of clock time after the previous one,
+    and on a snapshot not seen before (a stale snapshot is no new evidence, so streaks do not
+    move). A window is bad when ``queue_us_p95 > queue_p95_threshold_us``; a window without
+    traffic (P95 unknown) is good. After ``windows`` consecutive bad windows the weight becomes
+    ``max(floor, weight * factor)``; after ``windows`` consecutive good ones it becomes
+    ``min(1, weight / factor)``; each step starts a new streak. Pure apart from the injected
+    clock; the router multiplies the result into ``Candidate.weight``.
+
+    Source: Envoy outlier detection ejects a host after N consecutive errors; here the same
+    streak rule lowers a weight instead of ejecting, since a slow instance still serves.
+    """
+
+    def __init__(self, params: FeedbackParams, clock: Clock) -> None:
+        self.params = params
+        self._clock = clock
+        self._states: dict[tuple[str, str], _State] = {}
+
+    def weight(self, instance: str, model: str, snapshot: InstanceSnapshot | None) -> float:
+        """Evaluate a new window if one is due, and return the current weight."""
+        st = self._states.get((instance, model))
+        if st is None:
+            st = self._states[(instance, model)] = _State()
+        now = self._clock.now()
+        if st.evaluated_at is not None and now - st.evaluated_at < self.params.window_s:
+            return st.weight
+        if snapshot is None or snapshot.taken_at == st.seen_taken_at:
+            return st.weight
+        st.evaluated_at = now
+        st.seen_taken_at = snapshot.taken_at
+        p95 = snapshot.model(model).queue_us_p95
+        p = self.params
+        if p95 is not None and p95 > p.queue_p95_threshold_us:
+            st.bad, st.good = st.bad + 1, 0
+            if st.bad >= p.windows:
+                st.weight = max(p.floor, st.weight * p.factor)
+                st.bad = 0
+        else:
+            st.good, st.bad = st.good + 1, 0
+            if st.good >= p.windows:
+                st.weight = min(1.0, st.weight / p.factor)
+                st.good = 0
+        return st.weight
+
+    def current(self, instance: str, model: str) -> float:
+        """The weight without evaluating anything (1.0 if never seen)."""
+        st = self._states.get((instance, model))
+        return st.weight if st is not None else 1.0
+
+    def forget(self, instance: str) -> None:
+        """Drop all state of ``instance`` (removed from the fleet)."""
+        for key in [k for k in self._states if k[0] == instance]:
+            del self._states[key]
