@@ -1,0 +1,132 @@
+"""The router: per-model policies plus the rules every policy runs under.
+
+Rules, in order, for each decision:
+
+1. No candidates: :class:`NoCandidatesError` (frontends answer 503 / UNAVAILABLE).
+2. Staleness is judged here, from the injected clock and ``RoutingConfig.stale_after_s``; the
+   caller's ``Candidate.stale`` is overwritten.
+3. ``weight = caller's weight * feedback weight * (stale_weight if stale)``, at least
+   ``MIN_WEIGHT``. Stale is a penalty, never an exclusion.
+4. When no candidate has a fresh snapshot, every snapshot is removed (and the stale penalty
+   with it) so policies compare the proxy's own in-flight counts only.
+5. The model's policy picks; the decision is counted and timed in :class:`RoutingStats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from proxy.clock import Clock
+from proxy.routing.base import Candidate, Policy, RouteRequest
+from proxy.routing.config import RoutingConfig
+from proxy.routing.feedback import InstanceFeedback
+from proxy.routing.registry import build_policy
+from proxy.routing.retry import RetryBudget
+from proxy.routing.select import MIN_WEIGHT
+
+
+class NoCandidatesError(LookupError):
+    """No instance can take the request; the message says why."""
+
+
+@dataclass
+class RoutingStats:
+    """Plain counters of routing decisions; telemetry reads them, tests assert on them."""
+
+    decisions: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    """``(model, policy, instance) -> decisions``."""
+    decision_seconds: defaultdict[tuple[str, str, str], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
+    """``(model, policy, instance) -> total seconds spent deciding``."""
+    fallbacks: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """``(model, reason) -> count``; reasons: ``all_stale``, ``no_metrics``."""
+
+    def record_decision(self, model: str, policy: str, instance: str, seconds: float) -> None:
+        key = (model, policy, instance)
+        self.decisions[key] += 1
+        self.decision_seconds[key] += seconds
+
+    def record_fallback(self, model: str, reason: str) -> None:
+        self.fallbacks[(model, reason)] += 1
+
+
+class Router:
+    """Chooses an instance for each request with the model's configured policy.
+
+    One policy object per model (built on the model's first request), so stateful policies
+    (round robin position, hash ring) keep separate state per model. A config reload builds a
+    new Router; pass the same ``stats`` to keep counting.
+    """
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        clock: Clock,
+        rng: random.Random,
+        stats: RoutingStats | None = None,
+    ) -> None:
+        self.config = config
+        self.stats = stats if stats is not None else RoutingStats()
+        self._clock = clock
+        self._rng = rng
+        self.feedback = (
+            InstanceFeedback(config.feedback, clock) if config.feedback.enabled else None
+        )
+        self.retry_budget = RetryBudget(config.retry, clock)
+        """Shared by every request routed here; ``record_request()`` / ``try_retry()``."""
+        self._policies: dict[str, tuple[str, Policy]] = {}
+
+    def policy(self, model: str) -> tuple[str, Policy]:
+        """``(policy name, policy)`` serving ``model``."""
+        entry = self._policies.get(model)
+        if entry is None:
+            spec = self.config.policy_for(model)
+            # Each policy gets its own generator: one model's traffic does not shift another's
+            # random choices, and a seeded router stays reproducible.
+            rng = random.Random(self._rng.getrandbits(64))
+            entry = self._policies[model] = (spec.name, build_policy(spec.name, spec.params, rng))
+        return entry
+
+    def prepare(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Candidates as the policy will see them (rules 2-4 of the module docstring)."""
+        now = self._clock.now()
+        limit = self.config.stale_after_s
+        stale = [c.snapshot is not None and now - c.snapshot.taken_at > limit for c in candidates]
+        fresh = any(
+            c.snapshot is not None and not s for c, s in zip(candidates, stale, strict=True)
+        )
+        if not fresh:
+            reason = "all_stale" if any(stale) else "no_metrics"
+            self.stats.record_fallback(request.model, reason)
+        out: list[Candidate] = []
+        for c, is_stale in zip(candidates, stale, strict=True):
+            weight = c.weight
+            if self.feedback is not None:
+                weight *= self.feedback.weight(c.name, request.model, c.snapshot)
+            if fresh:
+                if is_stale:
+                    weight *= self.config.stale_weight
+                out.append(dataclasses.replace(c, stale=is_stale, weight=max(weight, MIN_WEIGHT)))
+            else:
+                out.append(
+                    dataclasses.replace(
+                        c, snapshot=None, stale=False, weight=max(weight, MIN_WEIGHT)
+                    )
+                )
+        return out
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        """The chosen candidate (as prepared: match it to an instance by ``name``)."""
+        if not candidates:
+            raise NoCandidatesError(f"no ready instance serves model '{request.model}'")
+        prepared = self.prepare(request, candidates)
+        name, policy = self.policy(request.model)
+        began = self._clock.now()
+        chosen = policy.choose(prepared, request)
+        self.stats.record_decision(request.model, name, chosen.name, self._clock.now() - began)
+        return chosen
