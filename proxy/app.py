@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +13,8 @@ from aiohttp import web
 from proxy.clock import Clock, MonotonicClock
 from proxy.config import ProxyConfig
 from proxy.frontends.http import HttpFrontend
-from proxy.routing.base import Candidate, RouteRequest
 from proxy.runtime import Runtime
+from proxy.scheduling import GateObserver
 from proxy.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -27,23 +25,6 @@ class BoundPorts:
     http: int
     grpc: int | None
     metrics: int | None
-
-
-class _Unlimited:
-    def record_request(self) -> None:
-        pass
-
-    def try_retry(self) -> bool:
-        return True
-
-
-def _round_robin() -> object:
-    counter = itertools.count()
-
-    def choose(candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        return candidates[next(counter) % len(candidates)]
-
-    return choose
 
 
 class ProxyServer:
@@ -57,13 +38,17 @@ class ProxyServer:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         telemetry: Telemetry | None = None,
+        gate_observer: GateObserver | None = None,
     ) -> None:
         self.config = config
         self.policy_path = policy_path
         self.clock = clock or MonotonicClock()
         self.rng = rng or random.Random()
         self.telemetry = telemetry or Telemetry()
-        self.runtime = Runtime(config, self.clock, self.rng, _round_robin(), _Unlimited())  # type: ignore[arg-type]
+        self.gate_observer = gate_observer
+        self.runtime = Runtime(
+            config, self.clock, self.rng, self.telemetry, gate_observer=gate_observer
+        )
         self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None

@@ -15,6 +15,8 @@ import yaml
 
 from proxy import strict
 from proxy.fleet.instances import HealthConfig, InstanceSpec
+from proxy.routing.config import RoutingConfig, check_policies
+from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
 
 
@@ -74,6 +76,21 @@ class SequencesConfig:
 
 
 @dataclass(frozen=True)
+class ScrapeConfig:
+    """Polling of each instance's Triton ``/metrics``."""
+
+    interval_s: float = 1.0
+    window_s: float = 10.0
+    """Sliding window over which queue/compute times and rates are averaged."""
+    timeout_s: float | None = None
+    """Per-scrape timeout; None means the interval."""
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s < self.interval_s:
+            raise ValueError("need interval_s > 0 and window_s >= interval_s")
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     instances: tuple[InstanceSpec, ...]
     listen: ListenConfig = field(default_factory=ListenConfig)
@@ -81,8 +98,10 @@ class ProxyConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sequences: SequencesConfig = field(default_factory=SequencesConfig)
-    session_header: str = "x-session-id"
-    """Header (HTTP) or metadata key (gRPC) holding the session key for affinity routing."""
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    scheduling: SchedulingConfig | None = None
+    """Priority classes; without this section every request is dispatched at once."""
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -91,11 +110,13 @@ class ProxyConfig:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"instances: duplicate names {', '.join(dupes)}")
-        object.__setattr__(self, "session_header", self.session_header.lower())
 
 
 def parse(data: Any, source: str | None = None) -> ProxyConfig:
-    return strict.load(ProxyConfig, data, "", source)
+    config = strict.load(ProxyConfig, data, "", source)
+    # Policy parameters are checked at load, not on a model's first request.
+    check_policies(config.routing, "routing", source)
+    return config
 
 
 def load_file(path: str | Path) -> ProxyConfig:

@@ -1,24 +1,34 @@
 """The one path every request takes from frontend to instance, whatever its protocol.
 
-placement (sequence affinity, else the routing policy) → in-flight token → send → outcome.
-A request that failed before any byte reached an instance is retried once elsewhere, under the
-retry budget; frontends supply only ``send``, the protocol-specific forwarding.
+admission (class queue, when scheduling is on) → placement (sequence affinity, else the routing
+policy) → in-flight token → send → outcome. A request that failed before any byte reached an
+instance is retried elsewhere, under the retry budget; frontends supply only ``send``, the
+protocol-specific forwarding, which receives the instance and the Triton priority to set.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
+from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
 from proxy.frontends.kserve_http import NO_PARAMS, InferParams
 from proxy.routing.base import RouteRequest
+from proxy.scheduling import Classifier, Shed, ShedReason
+
+if TYPE_CHECKING:
+    from proxy.scheduling.models import ModelGates
+    from proxy.telemetry import Telemetry
 
 T = TypeVar("T")
+Send = Callable[[Instance, int | None], Awaitable[T]]
+"""Forward the request to the instance, setting this Triton priority when not None."""
 
 
 @dataclass(frozen=True)
@@ -52,35 +62,81 @@ class Dispatcher:
         placement: Placement,
         affinity: SequenceAffinity,
         retries: RetryGate,
+        catalog: ModelCatalog,
+        telemetry: Telemetry,
         *,
-        retry_attempts: int = 1,
+        admission: ModelGates | None = None,
+        classifier: Classifier | None = None,
+        max_retries: int = 1,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
         self.affinity = affinity
         self.retries = retries
-        self.retry_attempts = retry_attempts
+        self.catalog = catalog
+        self.telemetry = telemetry
+        self.admission = admission
+        self.classifier = classifier
+        self.max_retries = max_retries
+
+    def classify(self, call: Call) -> str:
+        return self.classifier.classify(call.headers) if self.classifier else "default"
 
     async def run(
-        self, call: Call, send: Callable[[Instance], Awaitable[T]], *, stream: bool = False
+        self,
+        call: Call,
+        send: Send[T],
+        *,
+        stream: bool = False,
+        outcome: Callable[[T], str] = lambda _: "ok",
     ) -> T:
+        klass = self.classify(call)
+        began = time.perf_counter()
+        instance_name = "-"
+        result_label = "error"
+        try:
+            if self.admission is None:
+                instance, result = await self._send(call, None, send, stream)
+            else:
+                info = await self.catalog.info(call.model)
+                if info is None:
+                    # Unknown to every ready instance: let Triton give its own answer.
+                    instance, result = await self._send(call, None, send, stream)
+                else:
+                    async with self.admission.admit(call.model, info, klass) as priority:
+                        instance, result = await self._send(call, priority, send, stream)
+            instance_name = instance.name
+            result_label = outcome(result)
+            return result
+        except Shed as shed:
+            result_label = f"shed_{shed.reason.value}"
+            raise _shed_error(call.model, shed) from shed
+        except ProxyError as exc:
+            result_label = exc.code.name.lower()
+            raise
+        finally:
+            self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
+            self.telemetry.latency.labels(call.model, klass).observe(time.perf_counter() - began)
+
+    async def _send(
+        self, call: Call, priority: int | None, send: Send[T], stream: bool
+    ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
         while True:
             instance = self._place(call, frozenset(tried))
             try:
                 with self.fleet.track(instance, call.model, stream=stream):
-                    result = await send(instance)
+                    result = await send(instance, priority)
             except UpstreamLostError as exc:
-                self.fleet.report_failure(instance, f"connection lost: {exc}")
+                self._failed(instance, f"connection lost: {exc}")
                 raise ProxyError(
                     Code.UNAVAILABLE,
                     f"connection to Triton instance '{instance.name}' was lost while it "
                     f"handled the request ({exc})",
                 ) from exc
             except UpstreamConnectError as exc:
-                self.fleet.report_failure(instance, f"connection failed: {exc}")
-                self.affinity.forget_instance(instance.name)
+                self._failed(instance, f"connection failed: {exc}")
                 tried.add(instance.name)
                 if self._continues_sequence(call):
                     raise ProxyError(
@@ -88,14 +144,24 @@ class Dispatcher:
                         f"instance '{instance.name}' holding sequence "
                         f"{call.params.sequence_id} of model '{call.model}' is unavailable",
                     ) from exc
-                if len(tried) > self.retry_attempts or not self.retries.try_retry():
+                if len(tried) > self.max_retries or not self.retries.try_retry():
                     raise ProxyError(
                         Code.UNAVAILABLE,
                         f"Triton instance '{instance.name}' is unreachable ({exc}); no retry left",
                     ) from exc
+                self.telemetry.retries.inc()
                 continue
-            self._after(call, instance)
-            return result
+            seq = call.params.sequence_id
+            if seq is not None and call.params.sequence_end:
+                self.affinity.end(call.model, seq)
+            return instance, result
+
+    def _failed(self, instance: Instance, reason: str) -> None:
+        was_healthy = instance.healthy
+        self.fleet.report_failure(instance, reason)
+        self.affinity.forget_instance(instance.name)
+        if was_healthy and not instance.healthy:
+            self.telemetry.ejections.labels(instance.name, "passive").inc()
 
     def _continues_sequence(self, call: Call) -> bool:
         return call.params.sequence_id is not None and not call.params.sequence_start
@@ -109,8 +175,8 @@ class Dispatcher:
                 if instance.healthy:
                     return instance
         request = RouteRequest(model=call.model, session_key=call.session_key, cost=call.cost)
-        instance = self.placement.pick(request, exclude)
-        if instance is None:
+        picked = self.placement.pick(request, exclude)
+        if picked is None:
             down = ", ".join(
                 f"{i.name}: {i.ejected_reason or 'not ready'}"
                 for i in self.fleet.all()
@@ -121,13 +187,25 @@ class Dispatcher:
                 f"no ready Triton instance for model '{call.model}'"
                 + (f" (ejected: {down})" if down else ""),
             )
+        instance = picked
         if seq is not None:
             # Bound before the send: the sequence's next request may be sent before this
             # one answers.
             self.affinity.bind(call.model, seq, instance.name)
         return instance
 
-    def _after(self, call: Call, instance: Instance) -> None:
-        seq = call.params.sequence_id
-        if seq is not None and call.params.sequence_end:
-            self.affinity.end(call.model, seq)
+
+def _shed_error(model: str, shed: Shed) -> ProxyError:
+    if shed.reason is ShedReason.SHUTDOWN:
+        return ProxyError(Code.UNAVAILABLE, "triton-proxy is shutting down")
+    why = {
+        ShedReason.QUEUE_FULL: "its class queue is full",
+        ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
+        ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
+    }.get(shed.reason, shed.reason.value)
+    return ProxyError(
+        Code.RESOURCE_EXHAUSTED,
+        f"request for model '{model}' of class '{shed.class_name}' was shed: {why}; "
+        f"retry after {shed.retry_after_s:g} s",
+        retry_after_s=shed.retry_after_s,
+    )

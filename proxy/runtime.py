@@ -1,20 +1,43 @@
-"""Everything built from one policy file, wired together; the frontends hold a reference."""
+"""Everything built from one policy file, wired together; the frontends hold a reference.
+
+A policy reload builds a new :class:`Runtime` on the side from the new file, adopting the
+running one's fleet state where instances are unchanged, then swaps one reference.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
-from proxy.dispatch import Dispatcher, RetryGate
+from proxy.dispatch import Dispatcher
 from proxy.fleet.affinity import SequenceAffinity
+from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.health import HealthChecker
-from proxy.fleet.instances import Fleet
+from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.scraper import Scraper
+from proxy.fleet.snapshot import InstanceSnapshot
 from proxy.fleet.upstream import HttpUpstreams
-from proxy.placement import Chooser, FleetPlacement
+from proxy.placement import FleetPlacement
+from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.engine import Router
+from proxy.scheduling import Classifier, GateObserver, ShedReason
+from proxy.scheduling.models import FanOutObserver, ModelGates
+from proxy.telemetry import Telemetry
+
+
+class _GateTelemetry(GateObserver):
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.t = telemetry
+
+    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
+        self.t.queue_wait.labels(class_name).observe(waited_s)
+
+    def on_shed(self, class_name: str, reason: ShedReason) -> None:
+        self.t.shed.labels(class_name, reason.value).inc()
 
 
 class Runtime:
@@ -23,13 +46,16 @@ class Runtime:
         config: ProxyConfig,
         clock: Clock,
         rng: random.Random,
-        chooser: Chooser,
-        retries: RetryGate,
+        telemetry: Telemetry,
+        *,
+        gate_observer: GateObserver | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.rng = rng
+        self.telemetry = telemetry
         self.fleet = Fleet(config.instances, config.health, clock)
+        self.fleet.listeners.append(self._on_health_change)
         self.upstreams = HttpUpstreams(
             self.fleet,
             connections_per_instance=config.limits.connections_per_instance,
@@ -42,19 +68,133 @@ class Runtime:
             max_entries=config.sequences.max_entries,
             idle_timeout_s=config.sequences.idle_timeout_s,
         )
-        self.placement = FleetPlacement(self.fleet, self.upstreams, chooser)
-        self.dispatcher = Dispatcher(self.fleet, self.placement, self.affinity, retries)
+        self.catalog = ModelCatalog(self.fleet, self.upstreams, clock)
+        scrape = config.scrape
+        self.scraper = Scraper(
+            clock,
+            {i.name: i.metrics for i in config.instances if i.metrics},
+            interval_s=scrape.interval_s,
+            window_s=scrape.window_s,
+            timeout_s=scrape.timeout_s,
+        )
+        self.router = Router(config.routing, clock, rng)
+        self.placement = FleetPlacement(self.fleet, self.upstreams, self._choose, self._snapshot)
+        self.gates: ModelGates | None = None
+        classifier = None
+        if config.scheduling is not None:
+            observers: list[GateObserver] = [_GateTelemetry(telemetry)]
+            if gate_observer is not None:
+                observers.append(gate_observer)
+            self.gates = ModelGates(config.scheduling, self.fleet, clock, FanOutObserver(observers))
+            classifier = Classifier(config.scheduling)
+        self.dispatcher = Dispatcher(
+            self.fleet,
+            self.placement,
+            self.affinity,
+            self.router.retry_budget,
+            self.catalog,
+            telemetry,
+            admission=self.gates,
+            classifier=classifier,
+            max_retries=config.routing.retry.max_retries,
+        )
+
+    # --- wiring -------------------------------------------------------------------------
+    def _choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        chosen = self.router.choose(request, candidates)
+        name, _ = self.router.policy(request.model)
+        self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
+        return chosen
+
+    def _snapshot(self, instance: str) -> tuple[InstanceSnapshot | None, bool]:
+        # Staleness is judged by the router from the snapshot's time.
+        return self.scraper.snapshot(instance), False
+
+    def _on_health_change(self, instance: Instance) -> None:
+        if not instance.healthy:
+            self.telemetry.ejections.labels(instance.name).inc()
+            self.affinity.forget_instance(instance.name)
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
-        return headers.get(self.config.session_header) or None
+        return headers.get(self.config.routing.session_header.lower()) or None
 
+    # --- telemetry ----------------------------------------------------------------------
     def extra_metrics(self) -> Iterator[Metric]:
-        """Gauges of subsystems that export state at scrape time."""
-        return iter(())
+        """Scraped load, feedback weights and class queues, read at scrape time."""
+        pending = GaugeMetricFamily(
+            "triton_proxy_scraped_pending_requests",
+            "nv_inference_pending_request_count as last scraped, by instance and model",
+            labels=["instance", "model"],
+        )
+        queue_us = GaugeMetricFamily(
+            "triton_proxy_scraped_queue_seconds",
+            "Mean Triton queue time per request over the scrape window",
+            labels=["instance", "model"],
+        )
+        compute_us = GaugeMetricFamily(
+            "triton_proxy_scraped_compute_seconds",
+            "Mean Triton compute time per request over the scrape window",
+            labels=["instance", "model"],
+        )
+        age = GaugeMetricFamily(
+            "triton_proxy_scrape_age_seconds",
+            "Age of the instance's last metrics snapshot",
+            labels=["instance"],
+        )
+        now = self.clock.now()
+        for name, snap in self.scraper.snapshots().items():
+            age.add_metric([name], now - snap.taken_at)
+            for model, load in snap.models.items():
+                pending.add_metric([name, model], load.pending)
+                if load.queue_us is not None:
+                    queue_us.add_metric([name, model], load.queue_us / 1e6)
+                if load.compute_us is not None:
+                    compute_us.add_metric([name, model], load.compute_us / 1e6)
+        yield from (pending, queue_us, compute_us, age)
+        if self.router.feedback is not None:
+            weight = GaugeMetricFamily(
+                "triton_proxy_instance_feedback_weight",
+                "Selection weight from instance feedback (1 = no penalty)",
+                labels=["instance", "model"],
+            )
+            for inst in self.fleet.all():
+                for model in self.catalog.known():
+                    current = self.router.feedback.current(inst.name, model)
+                    weight.add_metric([inst.name, model], current)
+            yield weight
+        if self.gates is not None:
+            queued = GaugeMetricFamily(
+                "triton_proxy_class_queued",
+                "Requests waiting in the proxy's class queue, by model and class",
+                labels=["model", "class"],
+            )
+            running = GaugeMetricFamily(
+                "triton_proxy_class_in_flight",
+                "Requests of the class dispatched and not yet finished, by model",
+                labels=["model", "class"],
+            )
+            capacity = GaugeMetricFamily(
+                "triton_proxy_model_capacity",
+                "Dispatch slots of the model's gate (healthy instances x concurrency)",
+                labels=["model"],
+            )
+            for model, gate in self.gates.gates.items():
+                info = self.catalog.cached(model)
+                if info is not None:
+                    capacity.add_metric([model], self.gates.capacity(info))
+                for klass in gate.config.classes:
+                    queued.add_metric([model, klass], gate.queued(klass))
+                    running.add_metric([model, klass], gate.in_flight(klass))
+            yield from (queued, running, capacity)
 
+    # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         await self.health.start()
+        await self.scraper.start()
 
     async def stop(self) -> None:
+        if self.gates is not None:
+            self.gates.close()
+        await self.scraper.stop()
         await self.health.stop()
         await self.upstreams.close()

@@ -71,8 +71,8 @@ class Telemetry:
         )
         self.ejections = Counter(
             "triton_proxy_ejections",
-            "Instances taken out of rotation, by instance and cause",
-            ["instance", "cause"],
+            "Instances taken out of rotation (failed probe or connection), by instance",
+            ["instance"],
             registry=r,
         )
         self.reloads = Counter(

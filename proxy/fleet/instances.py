@@ -7,7 +7,7 @@ exit path (success, error, cancellation) decrements exactly once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -80,7 +80,8 @@ class Fleet:
         self.health = health
         self.clock = clock
         self.instances: dict[str, Instance] = {s.name: Instance(s) for s in specs}
-        self.ejections = 0
+        self.listeners: list[Callable[[Instance], None]] = []
+        """Called when an instance leaves or rejoins rotation."""
 
     def get(self, name: str) -> Instance:
         return self.instances[name]
@@ -117,11 +118,12 @@ class Fleet:
     # --- health -------------------------------------------------------------------------
     def report_success(self, instance: Instance) -> None:
         instance.failures = 0
+        instance.next_probe_at = self.clock.now() + self.health.interval_s
         if not instance.healthy:
             instance.healthy = True
             instance.ejected_reason = ""
             instance.backoff_s = 0.0
-        instance.next_probe_at = self.clock.now() + self.health.interval_s
+            self._changed(instance)
 
     def report_failure(self, instance: Instance, reason: str) -> None:
         """A probe failed, a connection broke, or the server answered 5xx about itself."""
@@ -132,13 +134,17 @@ class Fleet:
             instance.ejected_reason = reason
             instance.backoff_s = self.health.backoff_initial_s
             instance.next_probe_at = now + instance.backoff_s
-            self.ejections += 1
+            self._changed(instance)
         elif not instance.healthy:
             instance.backoff_s = min(
                 max(instance.backoff_s * 2, self.health.backoff_initial_s),
                 self.health.backoff_max_s,
             )
             instance.next_probe_at = now + instance.backoff_s
+
+    def _changed(self, instance: Instance) -> None:
+        for listener in self.listeners:
+            listener(instance)
 
     def due_for_probe(self) -> list[Instance]:
         now = self.clock.now()

@@ -20,7 +20,7 @@ from proxy.dispatch import Call
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
-from proxy.frontends.kserve_http import HEADER_LENGTH, read_params
+from proxy.frontends.kserve_http import HEADER_LENGTH, read_params, with_parameter
 from proxy.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,13 @@ class HttpFrontend:
             return await handler(request)
         except ProxyError as exc:
             return error_response(exc)
-        except web.HTTPRequestEntityTooLarge as exc:
+        except web.HTTPRequestEntityTooLarge:
             return error_response(
                 ProxyError(
-                    Code.INVALID_ARG,
-                    f"Request body size exceeds the proxy's limit of {exc.max_size} bytes "
-                    "(limits.max_body_bytes in the policy file)",
+                    Code.PAYLOAD_TOO_LARGE,
+                    "Request content size exceeds the maximum allowed input size of "
+                    f"{self._rt().config.limits.max_body_bytes} bytes. Raise "
+                    "limits.max_body_bytes in the proxy's policy file to increase the limit.",
                 )
             )
 
@@ -131,24 +132,33 @@ class HttpFrontend:
         )
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_body(request)
-        call = self._call(request, body)
-        headers = _forward_headers(request.headers)
-        return await self._rt().dispatcher.run(
-            call, lambda inst: self._exchange(inst, request, body, headers)
-        )
+        return await self._dispatch(request, stream=False)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self.infer(request)
+        return await self._dispatch(request, stream=False)
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        return await self._dispatch(request, stream=True)
+
+    async def _dispatch(self, request: web.Request, *, stream: bool) -> web.StreamResponse:
         body = await self._read_body(request)
         call = self._call(request, body)
         headers = _forward_headers(request.headers)
+        infer = request.path.endswith("/infer")
+
+        async def send(instance: Instance, priority: int | None) -> web.StreamResponse:
+            data, hdrs = body, headers
+            if priority is not None and infer and "content-encoding" not in call.headers:
+                data, length = with_parameter(
+                    body, call.headers.get(HEADER_LENGTH.lower()), "priority", priority
+                )
+                if length is not None:
+                    hdrs = headers.copy()
+                    hdrs[HEADER_LENGTH] = length
+            return await self._exchange(instance, request, data, hdrs, stream=stream)
+
         return await self._rt().dispatcher.run(
-            call,
-            lambda inst: self._exchange(inst, request, body, headers, stream=True),
-            stream=True,
+            call, send, stream=stream, outcome=lambda r: str(r.status)
         )
 
     async def _exchange(

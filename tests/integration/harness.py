@@ -1,0 +1,88 @@
+"""Runs the real proxy in front of real Triton servers, for integration tests.
+
+The proxy gets its own thread and event loop, like a separate server process: the blocking
+``tritonclient`` clients then work from test code, and so do the aio ones on the test's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
+
+from proxy import config as config_mod
+from proxy.app import BoundPorts, ProxyServer
+from proxy.cli import local_policy
+
+T = TypeVar("T")
+
+
+class ProxyThread:
+    def __init__(self, proxy: ProxyServer) -> None:
+        self.proxy = proxy
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.ports: BoundPorts | None = None
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> BoundPorts:
+        self._thread.start()
+        self.ports = self.call(self.proxy.start())
+        return self.ports
+
+    def stop(self) -> list[str]:
+        """Stops the proxy; returns the names of tasks it left running (should be none)."""
+        try:
+            self.call(self.proxy.stop())
+            return self.call(_leftover_tasks())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    @property
+    def http(self) -> str:
+        assert self.ports
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc(self) -> str:
+        assert self.ports and self.ports.grpc
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def runtime(self) -> Any:
+        return self.proxy.runtime
+
+
+def policy_for(servers: Sequence[Any], policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    doc = local_policy(servers, policy or {}, (0, 0, 0))
+    doc["listen"]["host"] = "127.0.0.1"
+    return doc
+
+
+@contextlib.contextmanager
+def running_proxy(
+    servers: Sequence[Any], policy: dict[str, Any] | None = None, **kwargs: Any
+) -> Iterator[ProxyThread]:
+    """A proxy on free ports in front of ``servers``; asserts at exit that nothing leaked."""
+    proxy = ProxyServer(config_mod.parse(policy_for(servers, policy), "<test>"), **kwargs)
+    thread = ProxyThread(proxy)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        tasks = thread.stop()
+        leaked = {i.name: i.in_flight for i in proxy.runtime.fleet.all() if i.in_flight}
+        assert not leaked, f"in-flight tokens leaked: {leaked}"
+        assert not tasks, f"tasks left running after stop: {tasks}"
+
+
+async def _leftover_tasks() -> list[str]:
+    await asyncio.sleep(0.05)  # let cancelled handlers finish unwinding
+    me = asyncio.current_task()
+    return [t.get_name() for t in asyncio.all_tasks() if t is not me and not t.done()]
