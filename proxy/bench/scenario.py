@@ -1,0 +1,232 @@
+"""Benchmark scenarios and the open-loop arrival schedule built from them.
+
+A scenario file names the model, the traffic classes (arrival rate, request-size mix, Triton
+priority, SLO, API key, sessions), the measured duration, a warm-up and a seed. The schedule is
+built once, before any request is sent, so every arm of a comparison sees exactly the same
+arrivals and a slow server cannot thin out the load (no coordinated omission).
+
+Arrivals per class form a homogeneous Poisson process: the count over the horizon ``T`` is
+``Poisson(rate * T)`` and, given the count, the times are independent uniforms on ``[0, T)``.
+That is the textbook construction of a Poisson process and needs no loop over gaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+import yaml
+from numpy.typing import NDArray
+
+from proxy import strict
+
+
+@dataclass(frozen=True)
+class SizeBucket:
+    """A weighted range of request sizes; sizes inside are uniform integers in ``[lo, hi]``."""
+
+    tokens: tuple[int, ...]
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != 2:
+            raise ValueError(f"tokens must be [lo, hi], got {list(self.tokens)}")
+        lo, hi = self.tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"tokens must satisfy 1 <= lo <= hi, got [{lo}, {hi}]")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+
+    @property
+    def lo(self) -> int:
+        return self.tokens[0]
+
+    @property
+    def hi(self) -> int:
+        return self.tokens[1]
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """One traffic class: how often it arrives, how big its requests are, how it is tagged."""
+
+    rate_rps: float
+    sizes: tuple[SizeBucket, ...] = (SizeBucket(tokens=(8, 64)),)
+    triton_priority: int = 0
+    """Sent as ``parameters.priority`` by arms that set Triton priorities (0 = model default)."""
+    slo_p99_ms: float | None = None
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer <key>`` so the proxy can classify the request."""
+    sessions: int = 0
+    """Number of distinct session ids (header ``x-session-id``); 0 sends none."""
+
+    def __post_init__(self) -> None:
+        if not self.rate_rps >= 0:
+            raise ValueError(f"rate_rps must be >= 0, got {self.rate_rps}")
+        if not self.sizes:
+            raise ValueError("sizes must list at least one bucket")
+        if self.triton_priority < 0:
+            raise ValueError(f"triton_priority must be >= 0, got {self.triton_priority}")
+        if self.slo_p99_ms is not None and not self.slo_p99_ms > 0:
+            raise ValueError(f"slo_p99_ms must be > 0, got {self.slo_p99_ms}")
+        if self.sessions < 0:
+            raise ValueError(f"sessions must be >= 0, got {self.sessions}")
+
+    @property
+    def mean_tokens(self) -> float:
+        total = sum(b.weight for b in self.sizes)
+        return sum(b.weight * (b.lo + b.hi) / 2 for b in self.sizes) / total
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model every request goes to and its single token-ids input of shape ``[1, n]``."""
+
+    name: str = "accel_sim"
+    version: str = ""
+    input: str = "INPUT_IDS"
+    datatype: Literal["INT64", "INT32"] = "INT64"
+    encoding: Literal["binary", "json"] = "binary"
+    """``binary``: tensors after a JSON header (what tritonclient sends); ``json``: all JSON."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    duration_s: float
+    """Measured window, after the warm-up."""
+    classes: Mapping[str, ClassSpec]
+    warmup_s: float = 0.0
+    """Traffic sent before the measured window; its requests are not counted."""
+    seed: int = 0
+    repetitions: int = 1
+    timeout_s: float = 60.0
+    """Per-request client timeout; a request that times out counts as an error."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if not self.warmup_s >= 0:
+            raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s}")
+        if not self.classes:
+            raise ValueError("classes must define at least one class")
+        if self.repetitions < 1:
+            raise ValueError(f"repetitions must be >= 1, got {self.repetitions}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def horizon_s(self) -> float:
+        return self.warmup_s + self.duration_s
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(self.classes)
+
+    def scaled(self, factor: float) -> Scenario:
+        """The same scenario with every class's rate multiplied (for load sweeps)."""
+        if not factor > 0:
+            raise ValueError(f"load factor must be > 0, got {factor}")
+        classes = {
+            name: dataclasses.replace(spec, rate_rps=spec.rate_rps * factor)
+            for name, spec in self.classes.items()
+        }
+        return dataclasses.replace(self, classes=MappingProxyType(classes))
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data (JSON-friendly) mirroring the scenario file."""
+        return {
+            "model": dataclasses.asdict(self.model),
+            "duration_s": self.duration_s,
+            "warmup_s": self.warmup_s,
+            "seed": self.seed,
+            "repetitions": self.repetitions,
+            "timeout_s": self.timeout_s,
+            "classes": {
+                name: {
+                    "rate_rps": c.rate_rps,
+                    "sizes": [{"tokens": list(b.tokens), "weight": b.weight} for b in c.sizes],
+                    "triton_priority": c.triton_priority,
+                    "slo_p99_ms": c.slo_p99_ms,
+                    "api_key": c.api_key,
+                    "sessions": c.sessions,
+                }
+                for name, c in self.classes.items()
+            },
+        }
+
+
+def parse_scenario(data: object, source: str | None = None) -> Scenario:
+    """Strictly build a :class:`Scenario` from parsed YAML data."""
+    return strict.load(Scenario, data, source=source)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and strictly validate a scenario YAML file."""
+    p = Path(path)
+    with p.open(encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    return parse_scenario(data, source=str(p))
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the schedule, ``t`` seconds after the run starts."""
+
+    index: int
+    t: float
+    cls: str
+    tokens: int
+    session: str | None
+    warmup: bool
+
+
+def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival]:
+    """All arrivals of one run, sorted by time; pure given ``rng``."""
+    horizon = scenario.horizon_s
+    times: list[NDArray[np.float64]] = []
+    cls_idx: list[NDArray[np.int64]] = []
+    tokens: list[NDArray[np.int64]] = []
+    sessions: list[NDArray[np.int64]] = []
+    names = scenario.class_names
+    for k, name in enumerate(names):
+        spec = scenario.classes[name]
+        n = int(rng.poisson(spec.rate_rps * horizon))
+        times.append(rng.uniform(0.0, horizon, n))
+        cls_idx.append(np.full(n, k, dtype=np.int64))
+        tokens.append(_draw_sizes(spec.sizes, n, rng))
+        sessions.append(
+            rng.integers(0, spec.sessions, n) if spec.sessions else np.full(n, -1, np.int64)
+        )
+    t = np.concatenate(times)
+    c = np.concatenate(cls_idx)
+    tok = np.concatenate(tokens)
+    ses = np.concatenate(sessions)
+    order = np.lexsort((c, t))  # time first; class order breaks (measure-zero) ties
+    return [
+        Arrival(
+            index=i,
+            t=float(t[j]),
+            cls=names[c[j]],
+            tokens=int(tok[j]),
+            session=f"{names[c[j]]}-{ses[j]}" if ses[j] >= 0 else None,
+            warmup=bool(t[j] < scenario.warmup_s),
+        )
+        for i, j in enumerate(order)
+    ]
+
+
+def _draw_sizes(
+    buckets: tuple[SizeBucket, ...], n: int, rng: np.random.Generator
+) -> NDArray[np.int64]:
+    weights = np.array([b.weight for b in buckets], dtype=float)
+    which = rng.choice(len(buckets), size=n, p=weights / weights.sum())
+    lo = np.array([b.lo for b in buckets], dtype=np.int64)[which]
+    hi = np.array([b.hi for b in buckets], dtype=np.int64)[which]
+    sizes: NDArray[np.int64] = rng.integers(lo, hi + 1)
+    return sizes
