@@ -1,0 +1,467 @@
+"""The open-loop runner: sends a fixed schedule to a target and times each request.
+
+Each arrival is fired at its scheduled time as its own task; the runner never waits for an
+earlier request before sending a later one. A request's latency is its completion time minus
+its *scheduled* send time, so any delay before the request really leaves (a busy event loop, a
+full connection pool, a stalled server holding the only connection) is charged to the request
+instead of silently thinning the load: no coordinated omission.
+
+Targets plug in through :class:`Target`. :class:`HttpTarget` covers the arms that speak KServe
+v2 HTTP directly: round robin over Triton servers (with or without each class's Triton
+``priority``), or one URL (HAProxy, triton-proxy). What it sends is described by a picklable
+:class:`TargetSpec`, so a later multi-process runner can rebuild the target in a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TextIO
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+from numpy.typing import NDArray
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.bench.scenario import Arrival, ClassSpec, ModelSpec, Scenario
+from proxy.clock import Clock, MonotonicClock
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class Outcome(enum.IntEnum):
+    OK = 0
+    SHED = 1
+    """HTTP 429: the proxy shed the request (Triton itself answers a full queue with 503)."""
+    ERROR = 2
+
+
+PENDING = -1
+"""Outcome code of a request that has not completed (still in flight, or never sent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    outcome: Outcome
+    status: int = 0
+    """HTTP status, 0 when no response came back (timeout, connection error)."""
+    instance: str | None = None
+    """Which server answered, when the client can tell."""
+    error: str | None = None
+
+
+class Target(Protocol):
+    name: str
+
+    async def send(self, arrival: Arrival) -> SendResult:
+        """Send one request and wait for its whole response."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# -- request encoding ----------------------------------------------------------------------
+
+_NP_TYPES = {"INT64": np.int64, "INT32": np.int32}
+
+
+class RequestEncoder:
+    """Builds KServe v2 infer bodies and headers; bodies are cached per (tokens, priority)."""
+
+    def __init__(self, model: ModelSpec, classes: Mapping[str, ClassSpec], priority: bool) -> None:
+        self.model = model
+        self.classes = classes
+        self.priority = priority
+        version = f"/versions/{model.version}" if model.version else ""
+        self.path = f"/v2/models/{model.name}{version}/infer"
+        self._bodies: dict[tuple[int, int], tuple[bytes, dict[str, str]]] = {}
+
+    def _body(self, tokens: int, priority: int) -> tuple[bytes, dict[str, str]]:
+        key = (tokens, priority)
+        cached = self._bodies.get(key)
+        if cached is not None:
+            return cached
+        m = self.model
+        tensor: dict[str, object] = {"name": m.input, "shape": [1, tokens], "datatype": m.datatype}
+        params: dict[str, object] = {}
+        if priority:
+            params["priority"] = priority
+        if m.encoding == "binary":
+            data = np.ones(tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(data)}
+            params["binary_data_output"] = True
+            header = json.dumps({"inputs": [tensor], "parameters": params}).encode()
+            built = (
+                header + data,
+                {
+                    "Content-Type": "application/octet-stream",
+                    "Inference-Header-Content-Length": str(len(header)),
+                },
+            )
+        else:
+            tensor["data"] = [1] * tokens
+            doc: dict[str, object] = {"inputs": [tensor]}
+            if params:
+                doc["parameters"] = params
+            built = (json.dumps(doc).encode(), {"Content-Type": "application/json"})
+        self._bodies[key] = built
+        return built
+
+    def encode(self, arrival: Arrival) -> tuple[bytes, dict[str, str]]:
+        spec = self.classes[arrival.cls]
+        body, base = self._body(arrival.tokens, spec.triton_priority if self.priority else 0)
+        headers = dict(base)
+        if spec.api_key:
+            headers["Authorization"] = f"Bearer {spec.api_key}"
+        if arrival.session is not None:
+            headers["x-session-id"] = arrival.session
+        return body, headers
+
+
+# -- HTTP targets --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """How an arm sends requests; plain data, so it can cross a process boundary.
+
+    One URL: every request goes there and the serving instance is read from the
+    ``instance_header`` response header when present. Several URLs: client-side round robin,
+    the way a Kubernetes Service spreads connections, and the instance is known.
+    """
+
+    urls: tuple[str, ...]
+    priority: bool = False
+    """Set each class's ``triton_priority`` as the request's ``parameters.priority``."""
+    instance_names: tuple[str, ...] | None = None
+    instance_header: str | None = "x-served-by"
+    connection_limit: int = 1000
+    """Open connections at most (aiohttp pool); requests beyond wait, and that wait counts."""
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("a target needs at least one URL")
+        if self.instance_names is not None and len(self.instance_names) != len(self.urls):
+            raise ValueError("instance_names must match urls one to one")
+
+
+def instance_name(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+class HttpTarget:
+    """KServe v2 HTTP client for one arm (see :class:`TargetSpec`)."""
+
+    def __init__(self, name: str, spec: TargetSpec, scenario: Scenario) -> None:
+        self.name = name
+        self.spec = spec
+        self.encoder = RequestEncoder(scenario.model, scenario.classes, spec.priority)
+        self._urls = [u.rstrip("/") + self.encoder.path for u in spec.urls]
+        self._names = list(spec.instance_names or [instance_name(u) for u in spec.urls])
+        self._next = 0
+        self._timeout = aiohttp.ClientTimeout(total=scenario.timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.spec.connection_limit, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    async def send(self, arrival: Arrival) -> SendResult:
+        body, headers = self.encoder.encode(arrival)
+        k = self._next
+        self._next = (k + 1) % len(self._urls)
+        known = self._names[k] if len(self._urls) > 1 else None
+        try:
+            async with self._client().post(self._urls[k], data=body, headers=headers) as resp:
+                payload = await resp.read()
+                instance = known
+                if instance is None and self.spec.instance_header:
+                    instance = resp.headers.get(self.spec.instance_header)
+                if resp.status == 200:
+                    return SendResult(Outcome.OK, 200, instance)
+                outcome = Outcome.SHED if resp.status == 429 else Outcome.ERROR
+                return SendResult(outcome, resp.status, instance, _error_text(payload))
+        except TimeoutError:
+            return SendResult(Outcome.ERROR, 0, known, "client timeout")
+        except (aiohttp.ClientError, OSError) as exc:
+            return SendResult(Outcome.ERROR, 0, known, f"{type(exc).__name__}: {exc}"[:120])
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _error_text(payload: bytes) -> str:
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return payload[:80].decode(errors="replace")
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return str(doc["error"])[:80]
+    return payload[:80].decode(errors="replace")
+
+
+# -- per-instance load probes --------------------------------------------------------------
+
+
+class LoadProbe(Protocol):
+    """Samples per-instance load (e.g. queued requests) while a run goes on."""
+
+    async def sample(self) -> Mapping[str, float]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class PrometheusGaugeProbe:
+    """Reads one gauge from Prometheus text endpoints.
+
+    ``urls`` maps a name to a ``/metrics`` URL. Samples of ``metric`` whose labels include
+    ``match`` are summed per name, or per value of ``split_label`` when given (one proxy
+    endpoint that labels its series by instance). Triton fleet:
+    ``PrometheusGaugeProbe({"t0": "http://127.0.0.1:8002/metrics", ...},
+    "nv_inference_pending_request_count", {"model": "accel_sim"})``.
+    An endpoint that does not answer is left out of that sample.
+    """
+
+    def __init__(
+        self,
+        urls: Mapping[str, str],
+        metric: str,
+        match: Mapping[str, str] | None = None,
+        split_label: str | None = None,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self.urls = dict(urls)
+        self.metric = metric
+        self.match = dict(match or {})
+        self.split_label = split_label
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _scrape(self, name: str, url: str) -> dict[str, float]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.get(url) as resp:
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name != self.metric:
+                    continue
+                if any(s.labels.get(k) != v for k, v in self.match.items()):
+                    continue
+                key = s.labels.get(self.split_label, name) if self.split_label else name
+                out[key] = out.get(key, 0.0) + float(s.value)
+        return out
+
+    async def sample(self) -> Mapping[str, float]:
+        parts = await asyncio.gather(*(self._scrape(n, u) for n, u in self.urls.items()))
+        merged: dict[str, float] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+@dataclass
+class Counts:
+    sent: int = 0
+    done: int = 0
+    ok: int = 0
+    shed: int = 0
+    error: int = 0
+
+
+class Progress(Protocol):
+    def update(self, label: str, elapsed: float, horizon: float, counts: Counts) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProgressLine:
+    """A one-line progress bar on stderr; plain periodic lines when not on a terminal."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 24, every_s: float = 5.0):
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = self.stream.isatty()
+        self.every_s = every_s
+        self._last_plain = -1e9
+        self._open = False
+
+    def update(self, label: str, elapsed: float, horizon: float, counts: Counts) -> None:
+        elapsed = max(elapsed, 0.0)
+        frac = min(elapsed / horizon, 1.0) if horizon > 0 else 1.0
+        filled = int(frac * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        line = (
+            f"{label:<22.22} [{bar}] {elapsed:6.1f}/{horizon:.0f}s "
+            f"sent {counts.sent} done {counts.done} in-flight {counts.sent - counts.done} "
+            f"ok {counts.ok} shed {counts.shed} err {counts.error}"
+        )
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line)
+            self._open = True
+        elif elapsed - self._last_plain >= self.every_s or frac >= 1.0:
+            self.stream.write(line + "\n")
+            self._last_plain = elapsed
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+        self._last_plain = -1e9
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecords:
+    """Everything measured in one run, indexed like the schedule. Times are clock seconds."""
+
+    t0: float
+    scheduled: NDArray[np.float64]
+    started: NDArray[np.float64]
+    """When the request's task began sending (scheduled + dispatcher lag)."""
+    finished: NDArray[np.float64]
+    outcome: NDArray[np.int8]
+    status: NDArray[np.int16]
+    instance: NDArray[np.int16]
+    """Index into ``instances``, -1 when the client could not tell."""
+    instances: list[str] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    load_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    """(seconds since t0, instance -> probed load)."""
+
+    @classmethod
+    def empty(cls, n: int, t0: float) -> RunRecords:
+        nan = np.full(n, np.nan)
+        return cls(
+            t0=t0,
+            scheduled=nan.copy(),
+            started=nan.copy(),
+            finished=nan.copy(),
+            outcome=np.full(n, PENDING, dtype=np.int8),
+            status=np.zeros(n, dtype=np.int16),
+            instance=np.full(n, -1, dtype=np.int16),
+        )
+
+    @property
+    def latency(self) -> NDArray[np.float64]:
+        """Completion minus scheduled send time, seconds (NaN if it never completed)."""
+        return self.finished - self.scheduled
+
+    def instance_index(self, name: str) -> int:
+        try:
+            return self.instances.index(name)
+        except ValueError:
+            self.instances.append(name)
+            return len(self.instances) - 1
+
+
+async def run_schedule(
+    schedule: Sequence[Arrival],
+    target: Target,
+    *,
+    horizon_s: float | None = None,
+    clock: Clock | None = None,
+    sleep: Sleep = asyncio.sleep,
+    start_delay_s: float = 0.05,
+    progress: Progress | None = None,
+    probe: LoadProbe | None = None,
+    probe_interval_s: float = 0.5,
+    tick_s: float = 0.25,
+) -> RunRecords:
+    """Send ``schedule`` open-loop to ``target``; returns when every request has finished.
+
+    ``t0`` (time zero of the schedule) is ``start_delay_s`` after the call, so set-up work
+    here does not eat into the first arrivals.
+    """
+    clk = clock if clock is not None else MonotonicClock()
+    horizon = horizon_s if horizon_s is not None else (schedule[-1].t if schedule else 0.0)
+    t0 = clk.now() + start_delay_s
+    rec = RunRecords.empty(len(schedule), t0)
+    counts = Counts()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def fire(i: int, arrival: Arrival) -> None:
+        rec.started[i] = clk.now()
+        result = await target.send(arrival)
+        rec.finished[i] = clk.now()
+        rec.outcome[i] = int(result.outcome)
+        rec.status[i] = result.status
+        if result.instance is not None:
+            rec.instance[i] = rec.instance_index(result.instance)
+        counts.done += 1
+        if result.outcome == Outcome.OK:
+            counts.ok += 1
+        elif result.outcome == Outcome.SHED:
+            counts.shed += 1
+        else:
+            counts.error += 1
+            rec.errors[f"{result.status} {result.error}"] += 1
+
+    async def ticker() -> None:
+        # Progress and probes run beside the dispatcher, never in its way.
+        next_probe = 0.0
+        while True:
+            elapsed = clk.now() - t0
+            if progress is not None:
+                progress.update(target.name, elapsed, horizon, counts)
+            if probe is not None and elapsed >= next_probe:
+                sample = await probe.sample()
+                rec.load_samples.append((clk.now() - t0, dict(sample)))
+                next_probe = elapsed + probe_interval_s
+            await sleep(tick_s)
+
+    # Without progress or probe no side task runs, so a fake ``sleep`` only ever sees the
+    # dispatcher's own waits.
+    side = asyncio.create_task(ticker()) if progress is not None or probe is not None else None
+    try:
+        for i, arrival in enumerate(schedule):
+            due = t0 + arrival.t
+            rec.scheduled[i] = due
+            delay = due - clk.now()
+            if delay > 0:
+                await sleep(delay)
+            task = asyncio.create_task(fire(i, arrival))
+            counts.sent += 1
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*list(tasks))
+        if side is not None and side.done():
+            side.result()  # a failed probe is a bug worth seeing, not a silent gap
+        if progress is not None:
+            progress.update(target.name, clk.now() - t0, horizon, counts)
+    finally:
+        others = [*tasks, *([side] if side is not None else [])]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if progress is not None:
+            progress.close()
+    return rec
