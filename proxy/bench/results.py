@@ -1,0 +1,411 @@
+"""From raw run records to per-arm, per-class figures, and their spread over repetitions.
+
+Only arrivals scheduled in the measured window (after the warm-up) count. Latency quantiles
+are over requests that succeeded; shed and failed requests show up in the completion rate and
+in SLO attainment instead, which is where a scheduler that sheds to look fast pays for it:
+
+- ``completion_rate`` = OK / scheduled;
+- ``slo_attainment`` = (OK and latency <= the class's ``slo_p99_ms``) / scheduled;
+- ``throughput_rps`` = OK / measured duration.
+
+Ratios between arms are taken within one repetition (same schedule, same machine state) and
+then summarised across repetitions; absolute times from different runs are not compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from proxy.bench.histogram import Histogram
+from proxy.bench.runner import PENDING, Outcome, RunRecords
+from proxy.bench.scenario import Arrival, Scenario
+
+US = 1_000_000
+
+
+@dataclass
+class ClassStats:
+    scheduled: int = 0
+    ok: int = 0
+    shed: int = 0
+    error: int = 0
+    unfinished: int = 0
+    within_slo: int = 0
+    slo_p99_ms: float | None = None
+    duration_s: float = 0.0
+    latency_us: Histogram = field(default_factory=Histogram)
+    """Latency of successful requests, from their scheduled send time, microseconds."""
+
+    def quantile_ms(self, q: float) -> float | None:
+        v = self.latency_us.quantile(q)
+        return v / 1000.0 if v is not None else None
+
+    @property
+    def p50_ms(self) -> float | None:
+        return self.quantile_ms(0.50)
+
+    @property
+    def p95_ms(self) -> float | None:
+        return self.quantile_ms(0.95)
+
+    @property
+    def p99_ms(self) -> float | None:
+        return self.quantile_ms(0.99)
+
+    @property
+    def p999_ms(self) -> float | None:
+        return self.quantile_ms(0.999)
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.ok / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def completion_rate(self) -> float | None:
+        return self.ok / self.scheduled if self.scheduled else None
+
+    @property
+    def slo_attainment(self) -> float | None:
+        if self.slo_p99_ms is None or not self.scheduled:
+            return None
+        return self.within_slo / self.scheduled
+
+    @property
+    def slo_met(self) -> bool | None:
+        """The class's P99 is within its SLO (None without an SLO or samples)."""
+        p99 = self.p99_ms
+        if self.slo_p99_ms is None or p99 is None:
+            return None
+        return p99 <= self.slo_p99_ms
+
+    def merge(self, other: ClassStats) -> None:
+        self.scheduled += other.scheduled
+        self.ok += other.ok
+        self.shed += other.shed
+        self.error += other.error
+        self.unfinished += other.unfinished
+        self.within_slo += other.within_slo
+        self.duration_s += other.duration_s
+        self.slo_p99_ms = self.slo_p99_ms if self.slo_p99_ms is not None else other.slo_p99_ms
+        self.latency_us.merge(other.latency_us)
+
+    def figures(self) -> dict[str, float | int | bool | None]:
+        return {
+            "scheduled": self.scheduled,
+            "ok": self.ok,
+            "shed": self.shed,
+            "error": self.error,
+            "unfinished": self.unfinished,
+            "p50_ms": self.p50_ms,
+            "p95_ms": self.p95_ms,
+            "p99_ms": self.p99_ms,
+            "p999_ms": self.p999_ms,
+            "throughput_rps": self.throughput_rps,
+            "completion_rate": self.completion_rate,
+            "slo_p99_ms": self.slo_p99_ms,
+            "slo_attainment": self.slo_attainment,
+            "slo_met": self.slo_met,
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            **self.figures(),
+            "duration_s": self.duration_s,
+            "latency_us": self.latency_us.to_dict(),
+        }
+
+
+@dataclass
+class LoadSeries:
+    """Per-instance load over time: ``values[name][k]`` at ``t[k]`` seconds into the run."""
+
+    source: str
+    t: list[float] = field(default_factory=list)
+    values: dict[str, list[float | None]] = field(default_factory=dict)
+    """None where a probe got no answer."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"source": self.source, "t": self.t, "values": self.values}
+
+
+@dataclass
+class ArmResult:
+    name: str
+    classes: dict[str, ClassStats] = field(default_factory=dict)
+    failed: str | None = None
+    """Why the arm produced no figures (it could not start), else None."""
+    errors: Counter[str] = field(default_factory=Counter)
+    dispatch_lag_p99_ms: float | None = None
+    """How late the generator itself sent requests; large values mean it was overloaded."""
+    dispatch_lag_max_ms: float | None = None
+    loads: list[LoadSeries] = field(default_factory=list)
+
+    def total(self) -> ClassStats:
+        out = ClassStats()
+        durations = [c.duration_s for c in self.classes.values()]
+        for c in self.classes.values():
+            out.merge(c)
+        out.duration_s = max(durations, default=0.0)
+        out.slo_p99_ms = None
+        return out
+
+    def least_served(self) -> tuple[str, float] | None:
+        """The class with the lowest completion rate, and that rate."""
+        rates = [(n, c.completion_rate) for n, c in self.classes.items()]
+        known = [(n, r) for n, r in rates if r is not None]
+        return min(known, key=lambda nr: nr[1]) if known else None
+
+    def to_dict(self) -> dict[str, object]:
+        total = self.total()
+        least = self.least_served()
+        return {
+            "name": self.name,
+            "failed": self.failed,
+            "classes": {n: c.to_dict() for n, c in self.classes.items()},
+            "total": {
+                "scheduled": total.scheduled,
+                "ok": total.ok,
+                "shed": total.shed,
+                "error": total.error,
+                "throughput_rps": total.throughput_rps,
+            },
+            "least_served": {"class": least[0], "completion_rate": least[1]} if least else None,
+            "errors": dict(self.errors),
+            "dispatch_lag_p99_ms": self.dispatch_lag_p99_ms,
+            "dispatch_lag_max_ms": self.dispatch_lag_max_ms,
+            "loads": [s.to_dict() for s in self.loads],
+        }
+
+
+def summarize_run(
+    name: str,
+    scenario: Scenario,
+    schedule: Sequence[Arrival],
+    rec: RunRecords,
+    load_grid_s: float = 0.5,
+) -> ArmResult:
+    n = len(schedule)
+    measured = np.fromiter((not a.warmup for a in schedule), dtype=bool, count=n)
+    cls_of = np.fromiter(
+        (scenario.class_names.index(a.cls) for a in schedule), dtype=np.int64, count=n
+    )
+    lat = rec.latency
+    result = ArmResult(name=name, errors=Counter(rec.errors))
+    for k, cname in enumerate(scenario.class_names):
+        spec = scenario.classes[cname]
+        sel = measured & (cls_of == k)
+        out = rec.outcome[sel]
+        ok = out == Outcome.OK
+        lat_ok = lat[sel][ok]
+        stats = ClassStats(
+            scheduled=int(sel.sum()),
+            ok=int(ok.sum()),
+            shed=int((out == Outcome.SHED).sum()),
+            error=int((out == Outcome.ERROR).sum()),
+            unfinished=int((out == PENDING).sum()),
+            slo_p99_ms=spec.slo_p99_ms,
+            duration_s=scenario.duration_s,
+        )
+        if spec.slo_p99_ms is not None:
+            stats.within_slo = int((lat_ok * 1000.0 <= spec.slo_p99_ms).sum())
+        stats.latency_us.record_many(np.round(np.maximum(lat_ok, 0.0) * US).astype(np.int64))
+        result.classes[cname] = stats
+    lag = (rec.started - rec.scheduled)[~np.isnan(rec.started)]
+    if lag.size:
+        result.dispatch_lag_p99_ms = float(np.percentile(lag, 99) * 1000.0)
+        result.dispatch_lag_max_ms = float(lag.max() * 1000.0)
+    result.loads.append(client_in_flight(rec, load_grid_s))
+    if rec.load_samples:
+        result.loads.append(probed_load(rec))
+    return result
+
+
+def client_in_flight(rec: RunRecords, grid_s: float) -> LoadSeries:
+    """Mean requests in flight per instance over each ``[t, t + grid_s)``, client view.
+
+    Exact time averages (the integral of the in-flight count over the bin), so a short spike
+    is neither lost nor blown up by sampling. "(all)" counts every request, which is all a
+    client sees of an arm that does not say which instance served it.
+    """
+    done = ~np.isnan(rec.finished) & ~np.isnan(rec.started)
+    end = float(np.nanmax(rec.finished[done]) - rec.t0) if done.any() else 0.0
+    edges = np.arange(0.0, end + grid_s, grid_s)
+    series = LoadSeries(source="client_in_flight", t=[round(float(x), 6) for x in edges[:-1]])
+    starts = rec.started - rec.t0
+    ends = rec.finished - rec.t0
+
+    def busy_time(times: NDArray[np.float64]) -> NDArray[np.float64]:
+        # sum_i max(0, x - times_i) at every edge x, from sorted times and prefix sums
+        s = np.sort(times)
+        prefix = np.concatenate([[0.0], np.cumsum(s)])
+        k = np.searchsorted(s, edges, side="right")
+        area: NDArray[np.float64] = k * edges - prefix[k]
+        return area
+
+    def mean_in_flight(mask: NDArray[np.bool_]) -> list[float | None]:
+        area = busy_time(starts[mask]) - busy_time(ends[mask])
+        return [round(float(x), 4) for x in np.diff(area) / grid_s]
+
+    series.values["(all)"] = mean_in_flight(done)
+    for i, inst in enumerate(rec.instances):
+        series.values[inst] = mean_in_flight(done & (rec.instance == i))
+    return series
+
+
+def probed_load(rec: RunRecords) -> LoadSeries:
+    names = sorted({k for _, sample in rec.load_samples for k in sample})
+    series = LoadSeries(source="probe", t=[round(t, 6) for t, _ in rec.load_samples])
+    for name in names:
+        series.values[name] = [sample.get(name) for _, sample in rec.load_samples]
+    return series
+
+
+# -- repetitions and comparisons -----------------------------------------------------------
+
+
+@dataclass
+class Repetition:
+    index: int
+    seed: int
+    order: list[str]
+    """Arms in the order they ran (rotated each repetition to spread drift)."""
+    arms: dict[str, ArmResult] = field(default_factory=dict)
+    requests: int = 0
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n}
+
+
+def spread(values: Sequence[float | None]) -> Spread | None:
+    xs = [float(v) for v in values if v is not None and np.isfinite(v)]
+    if not xs:
+        return None
+    return Spread(statistics.median(xs), min(xs), max(xs), len(xs))
+
+
+Metric = Callable[[ClassStats], float | None]
+
+METRICS: dict[str, Metric] = {
+    "p50_ms": lambda c: c.p50_ms,
+    "p95_ms": lambda c: c.p95_ms,
+    "p99_ms": lambda c: c.p99_ms,
+    "p999_ms": lambda c: c.p999_ms,
+    "throughput_rps": lambda c: c.throughput_rps,
+    "completion_rate": lambda c: c.completion_rate,
+    "slo_attainment": lambda c: c.slo_attainment,
+    "shed": lambda c: float(c.shed),
+}
+RATIO_METRICS = ("p50_ms", "p99_ms", "p999_ms", "throughput_rps")
+
+
+@dataclass
+class Report:
+    scenario: Scenario
+    arms: list[str]
+    baseline: str | None
+    repetitions: list[Repetition] = field(default_factory=list)
+    note: str = ""
+    """Shown with the figures, e.g. that the model simulates an accelerator's cost curve."""
+
+    def merged(self, arm: str, cls: str) -> ClassStats | None:
+        """One class's stats pooled over every repetition."""
+        parts = [
+            r.arms[arm].classes[cls]
+            for r in self.repetitions
+            if arm in r.arms and cls in r.arms[arm].classes
+        ]
+        if not parts:
+            return None
+        out = ClassStats()
+        for p in parts:
+            out.merge(p)
+        return out
+
+    def per_rep(self, arm: str, cls: str, metric: str) -> list[float | None]:
+        fn = METRICS[metric]
+        return [
+            fn(r.arms[arm].classes[cls])
+            for r in self.repetitions
+            if arm in r.arms and cls in r.arms[arm].classes
+        ]
+
+    def spread(self, arm: str, cls: str, metric: str) -> Spread | None:
+        return spread(self.per_rep(arm, cls, metric))
+
+    def ratio(self, arm: str, cls: str, metric: str) -> Spread | None:
+        """``metric(arm) / metric(baseline)`` within each repetition, then summarised."""
+        if self.baseline is None:
+            return None
+        fn = METRICS[metric]
+        ratios: list[float | None] = []
+        for r in self.repetitions:
+            a, b = r.arms.get(arm), r.arms.get(self.baseline)
+            if a is None or b is None or cls not in a.classes or cls not in b.classes:
+                continue
+            x, y = fn(a.classes[cls]), fn(b.classes[cls])
+            ratios.append(x / y if x is not None and y else None)
+        return spread(ratios)
+
+    def least_served(self, arm: str) -> Spread | None:
+        return spread(
+            [
+                ls[1]
+                for r in self.repetitions
+                if arm in r.arms and (ls := r.arms[arm].least_served()) is not None
+            ]
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        classes = self.scenario.class_names
+        summary: dict[str, object] = {}
+        for arm in self.arms:
+            per_class: dict[str, object] = {}
+            for cls in classes:
+                pooled = self.merged(arm, cls)
+                per_class[cls] = {
+                    "pooled": pooled.figures() if pooled else None,
+                    "spread": {
+                        m: (s.to_dict() if (s := self.spread(arm, cls, m)) else None)
+                        for m in METRICS
+                    },
+                    "ratio_vs_baseline": {
+                        m: (s.to_dict() if (s := self.ratio(arm, cls, m)) else None)
+                        for m in RATIO_METRICS
+                    },
+                }
+            least = self.least_served(arm)
+            summary[arm] = {
+                "classes": per_class,
+                "least_served_completion_rate": least.to_dict() if least else None,
+            }
+        return {
+            "note": self.note,
+            "scenario": self.scenario.to_dict(),
+            "arms": self.arms,
+            "baseline": self.baseline,
+            "summary": summary,
+            "repetitions": [
+                {
+                    "index": r.index,
+                    "seed": r.seed,
+                    "order": r.order,
+                    "requests": r.requests,
+                    "arms": {n: a.to_dict() for n, a in r.arms.items()},
+                }
+                for r in self.repetitions
+            ],
+        }
