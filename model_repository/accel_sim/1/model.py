@@ -1,0 +1,86 @@
+"""An accelerator's cost curve on a CPU: each batch sleeps
+``base_ms + per_token_us * batch_size * longest_length`` (both from config.pbtxt parameters),
+the fixed cost plus the per-token cost of the batch padded to its longest sequence.
+
+The result is real but cheap: OUTPUT [batch, 8] = mean over the tokens of a fixed-seed embedding.
+BATCH_SIZE, PADDED_LENGTH and BATCH_COST_US [batch, 1] report the batch each request ran in and
+its emulated cost in microseconds.
+"""
+
+import os
+import sys
+
+# Triton's python stub ignores PYTHONPATH; the launcher passes the venv's site-packages there.
+sys.path[:0] = [
+    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path
+]
+
+import json  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+VOCAB = 1000
+OUT_DIM = 8
+
+
+def batch_cost_s(base_ms: float, per_token_us: float, batch_size: int, longest: int) -> float:
+    return base_ms / 1e3 + per_token_us / 1e6 * batch_size * longest
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        torch.set_num_threads(int(params.get("torch_num_threads", "1")))
+        self.base_ms = float(params.get("base_ms", "3"))
+        self.per_token_us = float(params.get("per_token_us", "2"))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        gen = torch.Generator().manual_seed(int(params.get("seed", "1234")))
+        self.table = torch.randn(VOCAB, OUT_DIM, generator=gen).to(self.device)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        started = time.monotonic()
+        inputs: list[np.ndarray | None] = []
+        for request in requests:
+            ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+            valid = ids.ndim == 2 and ids.shape[1] > 0 and ids.min() >= 0 and ids.max() < VOCAB
+            inputs.append(ids if valid else None)
+        ok = [ids for ids in inputs if ids is not None]
+        batch_size = sum(ids.shape[0] for ids in ok)
+        longest = max((ids.shape[1] for ids in ok), default=0)
+        cost_s = batch_cost_s(self.base_ms, self.per_token_us, batch_size, longest) if ok else 0.0
+        responses = []
+        for ids in inputs:
+            if ids is None:
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(
+                            f"INPUT_IDS must be [batch, len>0] ids in [0, {VOCAB})"
+                        )
+                    )
+                )
+                continue
+            with torch.inference_mode():
+                out = self.table[torch.from_numpy(ids).to(self.device)].mean(dim=1)
+            rows = ids.shape[0]
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("OUTPUT", out.cpu().numpy().astype(np.float32)),
+                        pb_utils.Tensor("BATCH_SIZE", np.full((rows, 1), batch_size, np.int64)),
+                        pb_utils.Tensor("PADDED_LENGTH", np.full((rows, 1), longest, np.int64)),
+                        pb_utils.Tensor(
+                            "BATCH_COST_US", np.full((rows, 1), round(cost_s * 1e6), np.int64)
+                        ),
+                    ]
+                )
+            )
+        # The emulated device time covers the whole batch, the real work included.
+        remaining = cost_s - (time.monotonic() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return responses
