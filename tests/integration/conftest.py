@@ -1,0 +1,66 @@
+"""Real local Triton servers for the integration tests, started once per session.
+
+Other sessions on the same machine run Triton servers too, so leaks are checked by the process
+groups this fixture started, never by process name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.local import (
+    LocalFleet,
+    TritonNotInstalledError,
+    TritonServer,
+    group_members,
+    sigterm_raises_exit,
+)
+
+MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+MODELS = ("simple", "text_encoder", "accel_sim", "text_generator", "accumulator")
+FLEET_SIZE = 3
+START_TIMEOUT_S = 240
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def triton_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    """Three local Triton servers with every model in ``model_repository/`` loaded."""
+    log_dir = tmp_path_factory.mktemp("triton-logs")
+    fleet = LocalFleet(FLEET_SIZE, MODEL_REPOSITORY, MODELS, log_dir)
+    # A SIGTERM'd test run still unwinds this fixture and stops the servers.
+    with sigterm_raises_exit():
+        try:
+            # Generous: 15 python-backend stubs each import torch, and the CPUs may be shared.
+            fleet.start(timeout_s=START_TIMEOUT_S)
+        except TritonNotInstalledError as exc:
+            pytest.skip(f"no local Triton: {exc}")
+        try:
+            yield fleet
+        finally:
+            fleet.stop()
+            leaked = {pgid: group_members(pgid) for pgid in fleet.started_pgids}
+            leaked = {pgid: pids for pgid, pids in leaked.items() if pids}
+            assert not leaked, (
+                f"processes left in the fleet's process groups: {leaked} (logs in {log_dir})"
+            )
+
+
+@pytest.fixture(scope="session")
+def triton_servers(triton_fleet: LocalFleet) -> list[TritonServer]:
+    return triton_fleet.servers
+
+
+@pytest.fixture
+def triton_server(triton_fleet: LocalFleet) -> TritonServer:
+    """The fleet's first server (as it is now: a test may have restarted it)."""
+    return triton_fleet.server(0)
