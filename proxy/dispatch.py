@@ -157,11 +157,8 @@ class Dispatcher:
             return instance, result
 
     def _failed(self, instance: Instance, reason: str) -> None:
-        was_healthy = instance.healthy
         self.fleet.report_failure(instance, reason)
         self.affinity.forget_instance(instance.name)
-        if was_healthy and not instance.healthy:
-            self.telemetry.ejections.labels(instance.name, "passive").inc()
 
     def _continues_sequence(self, call: Call) -> bool:
         return call.params.sequence_id is not None and not call.params.sequence_start
