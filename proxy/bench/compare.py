@@ -158,6 +158,7 @@ async def run_comparison(
     clock: Clock | None = None,
     sleep: Sleep = asyncio.sleep,
     note: str = ACCEL_SIM_NOTE,
+    rng_for_seed: Callable[[int], np.random.Generator] = np.random.default_rng,
 ) -> Report:
     """Run every arm on the same schedule, ``repetitions`` times (default: the scenario's).
 
@@ -178,7 +179,7 @@ async def run_comparison(
     report = Report(scenario=scenario, arms=names, baseline=base, note=note)
     for r in range(reps):
         seed = scenario.seed + r
-        schedule = build_schedule(scenario, np.random.default_rng(seed))
+        schedule = build_schedule(scenario, rng_for_seed(seed))
         shift = r % len(arms)
         order = [*arms[shift:], *arms[:shift]]
         rep = Repetition(index=r, seed=seed, order=[a.name for a in order], requests=len(schedule))

@@ -82,6 +82,8 @@ class OverheadReport:
     added_ms: dict[str, dict[str, Spread | None]] = field(default_factory=dict)
     """arm -> {"p50": spread, "p99": spread} of (arm - direct) per repetition, ms."""
     rates: dict[str, list[RatePoint]] = field(default_factory=dict)
+    highest_tried: float = 0.0
+    """The highest rate of the search; an arm that sustains it may well go further."""
 
     def sustained(self, arm: str) -> float | None:
         ok = [p.offered_rps for p in self.rates.get(arm, []) if p.sustained]
@@ -97,9 +99,12 @@ class OverheadReport:
             generator = "generator fell behind at some step"
         else:
             generator = ""
-        if all(p.sustained for p in points):
+        highest = max(p.offered_rps for p in points)
+        if top == highest and top >= self.highest_tried:
             why = "every step sustained: at least the highest rate tried"
-        elif arm != self.direct and top is not None and top == direct_top:
+        elif arm == self.direct:
+            why = "ceiling of the fleet and this generator"
+        elif top is not None and top == direct_top:
             why = "same as direct: limited by the fleet or the generator, not by the arm"
         else:
             why = "limit of the arm"
@@ -165,6 +170,7 @@ async def measure_overhead(
     seed: int = 0,
     api_key: str | None = None,
     settle_s: float = 1.0,
+    retries: int = 1,
     show_progress: bool = True,
     clock: Clock | None = None,
     sleep: Sleep = asyncio.sleep,
@@ -190,7 +196,7 @@ async def measure_overhead(
         sleep=sleep,
         note="small requests on an idle fleet",
     )
-    out = OverheadReport(direct=direct.name, idle=idle)
+    out = OverheadReport(direct=direct.name, idle=idle, highest_tried=max(rates, default=0.0))
     for arm_name in idle.arms:
         out.added_ms[arm_name] = {
             key: spread(_added(idle, arm_name, direct.name, q))
@@ -209,6 +215,7 @@ async def measure_overhead(
             seed=seed,
             api_key=api_key,
             settle_s=settle_s,
+            retries=retries,
             progress=bar,
             clock=clock,
             sleep=sleep,
@@ -239,41 +246,57 @@ async def sustained_rate(
     seed: int = 0,
     api_key: str | None = None,
     settle_s: float = 1.0,
+    retries: int = 1,
     progress: Progress | None = None,
     clock: Clock | None = None,
     sleep: Sleep = asyncio.sleep,
 ) -> list[RatePoint]:
-    """Rising open-loop steps until one is not sustained; the arm is started once."""
+    """Rising open-loop steps until one is not sustained (after ``retries`` more tries).
+
+    The arm is started once for all steps. Every attempt is returned, failed ones included.
+    """
     clk = clock if clock is not None else MonotonicClock()
     points: list[RatePoint] = []
     async with contextlib.AsyncExitStack() as stack:
         spec = await stack.enter_async_context(arm.open())
         target: HttpTarget | None = None
-        for k, rate in enumerate(sorted(rates)):
-            sc = small_request_scenario(
-                model,
-                rate,
-                step_s,
-                tokens=tokens,
-                warmup_s=min(1.0, step_s / 5),
-                seed=seed,
-                api_key=api_key,
-            )
-            if target is None:
-                target = HttpTarget(arm.name, spec, sc)
-                stack.push_async_callback(target.aclose)
-            target.name = f"{arm.name} @{rate:g}/s"
-            if k:
-                await sleep(settle_s)
-            schedule = build_schedule(sc, np.random.default_rng(seed + k))
-            rec = await run_schedule(
-                schedule, target, horizon_s=sc.horizon_s, clock=clk, sleep=sleep, progress=progress
-            )
-            stats = summarize_run(arm.name, sc, schedule, rec).classes[PROBE_CLASS]
-            lag = (rec.started - rec.scheduled)[~np.isnan(rec.started)]
-            point = _rate_point(rate, stats, lag, p99_limit_ms, min_completion)
-            points.append(point)
-            if not point.sustained:
+        attempt = 0
+        for rate in sorted(rates):
+            sustained = False
+            for _ in range(1 + retries):  # a noisy machine gets one more try per step
+                sc = small_request_scenario(
+                    model,
+                    rate,
+                    step_s,
+                    tokens=tokens,
+                    warmup_s=min(1.0, step_s / 5),
+                    seed=seed,
+                    api_key=api_key,
+                )
+                if target is None:
+                    target = HttpTarget(arm.name, spec, sc)
+                    stack.push_async_callback(target.aclose)
+                target.name = f"{arm.name} @{rate:g}/s"
+                if attempt:
+                    await sleep(settle_s)
+                schedule = build_schedule(sc, np.random.default_rng(seed + attempt))
+                attempt += 1
+                rec = await run_schedule(
+                    schedule,
+                    target,
+                    horizon_s=sc.horizon_s,
+                    clock=clk,
+                    sleep=sleep,
+                    progress=progress,
+                )
+                stats = summarize_run(arm.name, sc, schedule, rec).classes[PROBE_CLASS]
+                lag = (rec.started - rec.scheduled)[~np.isnan(rec.started)]
+                point = _rate_point(rate, stats, lag, p99_limit_ms, min_completion)
+                points.append(point)
+                if point.sustained:
+                    sustained = True
+                    break
+            if not sustained:
                 break
     return points
 

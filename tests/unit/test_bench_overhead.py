@@ -19,7 +19,7 @@ def point(rate: float, ok: bool, lag: float = 1.0) -> RatePoint:
 
 def report_with(rates: dict[str, list[RatePoint]]) -> OverheadReport:
     idle = Report(scenario=None, arms=list(rates), baseline="direct")  # type: ignore[arg-type]
-    return OverheadReport(direct="direct", idle=idle, rates=rates)
+    return OverheadReport(direct="direct", idle=idle, rates=rates, highest_tried=400)
 
 
 def test_sustained_rate_and_what_bounds_it():
@@ -28,11 +28,14 @@ def test_sustained_rate_and_what_bounds_it():
             "direct": [point(100, True), point(200, True), point(400, False)],
             "same": [point(100, True), point(200, True), point(400, False)],
             "slower": [point(100, True), point(200, False)],
-            "all_ok": [point(100, True), point(200, True, lag=80.0)],
+            "all_ok": [point(100, True), point(200, True), point(400, True, lag=80.0)],
+            "retried": [point(100, True), point(200, False), point(200, True), point(400, False)],
         }
     )
     assert r.sustained("direct") == 200
     assert r.sustained("slower") == 100
+    assert r.sustained("retried") == 200
+    assert "ceiling of the fleet" in r.bound("direct")
     assert "limit of the arm" in r.bound("slower")
     assert "same as direct" in r.bound("same")
     assert "at least" in r.bound("all_ok") and "generator fell behind" in r.bound("all_ok")
