@@ -1,9 +1,13 @@
 """Start, stop, kill and restart local Triton servers from the wheel's binary.
 
 Each server runs in its own process group (its python backend stubs are its children), with
-``PR_SET_PDEATHSIG`` so it dies with the thread that spawned it. All spawning happens on one
-long-lived thread owned by the fleet: the kernel delivers PDEATHSIG when the *thread* that
-forked exits, so spawning from a short-lived worker thread would kill the server with it.
+``PR_SET_PDEATHSIG`` so it dies with the thread that spawned it; its stubs then notice their
+parent is gone and exit within seconds. A server that crashes leaves its stubs running until
+it is reaped (measured), which is why ``stop`` and ``kill`` end with SIGKILL to the group.
+
+All spawning happens on one long-lived thread owned by the fleet: the kernel delivers
+PDEATHSIG when the *thread* that forked exits, so spawning from a short-lived worker thread
+would kill the server with it.
 """
 
 from __future__ import annotations
@@ -156,6 +160,12 @@ def server_command(
     ]
 
 
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+
 @dataclass
 class _Slot:
     index: int
@@ -276,14 +286,18 @@ class LocalFleet:
         return self.servers
 
     def stop(self) -> None:
-        """SIGTERM every server's process group, wait, SIGKILL what is left after the grace."""
+        """SIGTERM every server, wait, then SIGKILL whatever is left in its process group.
+
+        SIGTERM goes to the server alone, not to its group: Triton then unloads each model and
+        its stub exits cleanly (about 2 s here). Stubs that get SIGTERM themselves stall the
+        unload until ``--exit-timeout-secs`` runs out and may outlive the server (measured).
+        """
         with self._lock:
             procs = [(s.proc, s.proc.pid) for s in self._slots if s.proc is not None]
             for slot in self._slots:
                 slot.proc = None
-        for proc, pgid in procs:
-            if proc.poll() is None:
-                _killpg(pgid, signal.SIGTERM)
+        for proc, _ in procs:
+            _terminate(proc)
         deadline = time.monotonic() + self.stop_grace_s
         for proc, pgid in procs:
             self._reap_group(proc, pgid, deadline)
@@ -310,8 +324,7 @@ class LocalFleet:
         with self._lock:
             proc, slot.proc = slot.proc, None
         if proc is not None:
-            if proc.poll() is None:
-                _killpg(proc.pid, signal.SIGTERM)
+            _terminate(proc)
             self._reap_group(proc, proc.pid, time.monotonic() + self.stop_grace_s)
         self._prepare()
         self._spawn(slot, reuse_ports=True)
