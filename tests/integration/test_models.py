@@ -7,6 +7,7 @@ import queue
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from proxy.local import TritonServer
+from proxy.local import LocalFleet, TritonServer, group_members
 
 pytestmark = pytest.mark.integration
+
+MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def _host(server: TritonServer) -> str:
@@ -331,3 +334,38 @@ def test_accumulator_needs_start(grpc: grpcclient.InferenceServerClient) -> None
             [_input(grpcclient, "INPUT", np.array([[1]], dtype=np.int32), "INT32")],
             sequence_id=987654,
         )
+
+
+# -- the launcher: kill and restart ---------------------------------------------------------
+
+
+def test_kill_and_restart_on_the_same_ports(tmp_path: Path) -> None:
+    """Its own one-server fleet (only `simple`), so the shared fleet is left alone."""
+    fleet = LocalFleet(1, MODEL_REPOSITORY, ["simple"], tmp_path)
+    try:
+        before = fleet.start()[0]
+        fleet.kill(0)
+        assert group_members(before.pid) == []
+        with pytest.raises(LookupError):
+            fleet.server(0)
+        after = fleet.restart(0)
+        assert after.pid != before.pid
+        assert (after.http_url, after.grpc_address, after.metrics_url) == (
+            before.http_url,
+            before.grpc_address,
+            before.metrics_url,
+        )
+        with httpclient.InferenceServerClient(_host(after)) as client:
+            a = np.ones((1, 16), dtype=np.int32)
+            result = client.infer(
+                "simple",
+                [
+                    _input(httpclient, "INPUT0", a, "INT32"),
+                    _input(httpclient, "INPUT1", a, "INT32"),
+                ],
+            )
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+    finally:
+        fleet.stop()
+    for pgid in fleet.started_pgids:
+        assert group_members(pgid) == []
