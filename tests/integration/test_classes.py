@@ -1,0 +1,167 @@
+"""Priority classes against real Triton servers saturated by offline work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from proxy.scheduling import GateObserver
+from tests.integration.harness import ProxyThread, running_proxy
+
+pytestmark = pytest.mark.integration
+
+RT_KEY, OFF_KEY, GATEWAY_KEY = "rt-key", "off-key", "gateway-key"
+POLICY: dict[str, Any] = {
+    "scheduling": {
+        "default_class": "online",
+        "dispatch": "strict_aging",
+        "aging": {"step_s": 0.5},
+        "concurrency": 2,  # per instance: 6 slots for the fleet, so work queues in the proxy
+        "api_keys": {
+            RT_KEY: {"class_name": "realtime"},
+            OFF_KEY: {"class_name": "offline"},
+            GATEWAY_KEY: {"class_name": "online", "allow_class_header": True},
+        },
+        "classes": {
+            "realtime": {"rank": 0, "triton_priority": 1},
+            "online": {"rank": 1, "triton_priority": 2},
+            "offline": {"rank": 2, "triton_priority": 3, "max_queue": 40, "queue_timeout_s": 60},
+        },
+    }
+}
+BODY = json.dumps(
+    {
+        "inputs": [
+            {
+                "name": "INPUT_IDS",
+                "shape": [1, 256],
+                "datatype": "INT64",
+                "data": np.arange(1, 257).tolist(),
+            }
+        ]
+    }
+).encode()
+URL = "/v2/models/accel_sim/infer"
+
+
+class Watch(GateObserver):
+    """Records each dispatch with how many offline requests were still queued then."""
+
+    def __init__(self) -> None:
+        self.proxy: ProxyThread | None = None
+        self.dispatched: list[tuple[str, int]] = []
+        self.shed: Counter[str] = Counter()
+
+    def offline_queued(self) -> int:
+        assert self.proxy is not None
+        gates = self.proxy.runtime.gates.gates
+        return gates["accel_sim"].queued("offline") if "accel_sim" in gates else 0
+
+    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
+        self.dispatched.append((class_name, self.offline_queued()))
+
+    def on_shed(self, class_name: str, reason: Any) -> None:
+        self.shed[class_name] += 1
+
+
+async def post(
+    session: aiohttp.ClientSession, base: str, key: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    h = {"Authorization": f"Bearer {key}", **(headers or {})}
+    async with session.post(base + URL, data=BODY, headers=h) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def offline_flood(
+    session: aiohttp.ClientSession, base: str, stop: asyncio.Event, done: list[float], clients: int
+) -> None:
+    async def one() -> None:
+        while not stop.is_set():
+            status, _, _ = await post(session, base, OFF_KEY)
+            if status == 200:
+                done.append(time.monotonic())
+            else:
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+
+
+@pytest.fixture
+def proxy(triton_fleet: Any) -> Any:
+    watch = Watch()
+    with running_proxy(triton_fleet.servers, POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        yield p, watch
+
+
+async def test_realtime_overtakes_queued_offline_and_offline_never_starves(proxy: Any) -> None:
+    p, watch = proxy
+    base = f"http://{p.http}"
+    stop = asyncio.Event()
+    offline_done: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        flood = asyncio.create_task(offline_flood(session, base, stop, offline_done, 30))
+        deadline = time.monotonic() + 30
+        while watch.offline_queued() < 10:
+            assert time.monotonic() < deadline, "offline work never queued in the proxy"
+            await asyncio.sleep(0.02)
+        # A saturating stream of real-time work (more clients than the fleet has slots) for
+        # several seconds: aging must still let offline requests through in every window.
+        started = time.monotonic()
+        rt_status: list[int] = []
+
+        async def realtime_client() -> None:
+            while time.monotonic() - started < 6:
+                status, _, _ = await post(session, base, RT_KEY)
+                rt_status.append(status)
+
+        await asyncio.gather(*(realtime_client() for _ in range(8)))
+        ended = time.monotonic()
+        stop.set()
+        await flood
+
+    assert rt_status and set(rt_status) == {200}
+    rt = [queued for cls, queued in watch.dispatched if cls == "realtime"]
+    assert len(rt) == len(rt_status)
+    # Dispatched ahead of queued offline ones: offline requests were waiting every time a
+    # real-time one was sent on (a FIFO would have served those first).
+    overtakes = sum(1 for queued in rt if queued > 0)
+    assert overtakes >= 0.9 * len(rt), (overtakes, len(rt))
+    # Offline keeps completing: at least one in every 1-second window of the real-time storm.
+    windows = Counter(int(t - started) for t in offline_done if started <= t < ended)
+    assert all(windows[w] > 0 for w in range(int(ended - started))), windows
+
+
+async def test_full_offline_queue_is_shed_with_retry_after(proxy: Any) -> None:
+    p, watch = proxy
+    base = f"http://{p.http}"
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(post(session, base, OFF_KEY) for _ in range(80)))
+    statuses = Counter(a[0] for a in answers)
+    assert statuses[200] >= 40 and statuses[429] >= 1, statuses
+    for status, headers, body in answers:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1
+            assert "class 'offline' was shed: its class queue is full" in json.loads(body)["error"]
+    assert watch.shed["offline"] == statuses[429]
+
+
+async def test_api_key_decides_the_class_not_the_client(proxy: Any) -> None:
+    p, watch = proxy
+    base = f"http://{p.http}"
+    promote = {"x-triton-proxy-class": "realtime"}
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, base, OFF_KEY, promote))[0] == 200
+        assert watch.dispatched[-1][0] == "offline"
+        assert (await post(session, base, "unknown-key", promote))[0] == 200
+        assert watch.dispatched[-1][0] == "online"
+        # A key the policy trusts may choose its class per request.
+        assert (await post(session, base, GATEWAY_KEY, promote))[0] == 200
+        assert watch.dispatched[-1][0] == "realtime"
