@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from proxy import config as config_mod
 from proxy.app import BoundPorts, ProxyServer
 from proxy.strict import ConfigError
@@ -85,19 +83,29 @@ def local_policy(
     return doc
 
 
+def _policy_without_instances(path: Path | None) -> dict[str, Any]:
+    """A policy file's sections for ``up``: its instances are replaced by the local servers."""
+    if path is None:
+        return {}
+    doc = config_mod.read_document(path) or {}
+    if not isinstance(doc, dict):
+        raise ConfigError("", "the policy file must be a mapping", str(path))
+    doc.pop("instances", None)
+    return doc
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from proxy.local import LocalFleet, sigterm_raises_exit
 
-    base: dict[str, Any] = {}
-    if args.policy:
-        base = yaml.safe_load(Path(args.policy).read_text()) or {}
-        base.pop("instances", None)
+    policy_path = Path(args.policy) if args.policy else None
+    _policy_without_instances(policy_path)  # fail on a bad file before starting servers
     log_dir = Path(args.log_dir)
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     print(
         f"starting {args.instances} Triton servers ({', '.join(models)}); logs in {log_dir}",
         flush=True,
     )
+    ports = (args.http_port, args.grpc_port, args.metrics_port)
     with (
         sigterm_raises_exit(),
         LocalFleet(args.instances, Path(args.model_repository), models, log_dir) as fleet,
@@ -105,8 +113,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         servers = fleet.start()
         for s in servers:
             print(f"  {s.name}: HTTP {s.http_url}  gRPC {s.grpc_address}  (log {s.log_path})")
-        doc = local_policy(servers, base, (args.http_port, args.grpc_port, args.metrics_port))
-        cfg = config_mod.parse(doc, args.policy or "<up>")
+
+        def load(path: Path | None) -> config_mod.ProxyConfig:
+            doc = local_policy(servers, _policy_without_instances(path), ports)
+            return config_mod.parse(doc, str(path) if path else "<up>")
+
         example = (
             f"\nTry: curl -s localhost:{args.http_port}/v2/models/simple/infer -d "
             '\'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"INT32",'
@@ -115,11 +126,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"\nPoint tritonclient at localhost:{args.http_port} (HTTP) or "
             f"localhost:{args.grpc_port} (gRPC). Ctrl-C stops everything."
         )
-        _run(
-            _serve(
-                ProxyServer(cfg, policy_path=Path(args.policy) if args.policy else None), example
-            )
-        )
+        server = ProxyServer(load(policy_path), policy_path=policy_path, policy_loader=load)
+        _run(_serve(server, example))
     return 0
 
 

@@ -119,14 +119,18 @@ def parse(data: Any, source: str | None = None) -> ProxyConfig:
     return config
 
 
-def load_file(path: str | Path) -> ProxyConfig:
+def read_document(path: str | Path) -> Any:
+    """The YAML document in ``path``; errors name the file."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError("", f"cannot read policy file: {exc.strerror}", str(path)) from exc
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"invalid YAML: {exc}", str(path)) from exc
-    return parse(data, str(path))
+
+
+def load_file(path: str | Path) -> ProxyConfig:
+    return parse(read_document(path), str(path))

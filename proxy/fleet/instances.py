@@ -83,6 +83,15 @@ class Fleet:
         self.listeners: list[Callable[[Instance], None]] = []
         """Called when an instance leaves or rejoins rotation."""
 
+    def set_specs(self, specs: tuple[InstanceSpec, ...], health: HealthConfig) -> None:
+        """Adopt a reloaded instance list: unchanged instances keep their state and counts."""
+        self.health = health
+        old = self.instances
+        self.instances = {
+            s.name: old[s.name] if s.name in old and old[s.name].spec == s else Instance(s)
+            for s in specs
+        }
+
     def get(self, name: str) -> Instance:
         return self.instances[name]
 

@@ -31,32 +31,43 @@ class HttpUpstreams:
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout_s, sock_connect=connect_timeout_s
         )
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._sessions: dict[str, tuple[str, aiohttp.ClientSession]] = {}
+        """instance name -> (base URL, its pool)"""
 
     def session(self, instance: Instance) -> aiohttp.ClientSession:
-        s = self._sessions.get(instance.name)
-        if s is None or s.closed:
-            s = aiohttp.ClientSession(
-                base_url=instance.spec.http,
-                connector=aiohttp.TCPConnector(
-                    limit=self._connections, enable_cleanup_closed=True, force_close=False
-                ),
-                timeout=self._timeout,
-                # Bytes travel as the server sent them: the client decompresses, not us.
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            )
-            self._sessions[instance.name] = s
+        entry = self._sessions.get(instance.name)
+        if entry is not None and entry[0] == instance.spec.http and not entry[1].closed:
+            return entry[1]
+        s = aiohttp.ClientSession(
+            base_url=instance.spec.http,
+            connector=aiohttp.TCPConnector(
+                limit=self._connections, enable_cleanup_closed=True, force_close=False
+            ),
+            timeout=self._timeout,
+            # Bytes travel as the server sent them: the client decompresses, not us.
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        self._sessions[instance.name] = (instance.spec.http, s)
         return s
 
     def open_connections(self, instance: Instance) -> int:
-        s = self._sessions.get(instance.name)
-        if s is None or s.closed or s.connector is None:
+        entry = self._sessions.get(instance.name)
+        if entry is None or entry[1].closed or entry[1].connector is None:
             return 0
+        s = entry[1]
         # Acquired sockets are the ones carrying a request right now.
         return len(getattr(s.connector, "_acquired", ()))
 
+    async def retire(self, keep: set[str]) -> None:
+        """Close the pools of instances no longer in the fleet (or whose address changed)."""
+        for name, (url, session) in list(self._sessions.items()):
+            inst = self.fleet.instances.get(name)
+            if name not in keep or inst is None or url != inst.spec.http:
+                del self._sessions[name]
+                await session.close()
+
     async def close(self) -> None:
-        for s in self._sessions.values():
+        for _, s in self._sessions.values():
             await s.close()
         self._sessions.clear()
