@@ -1,0 +1,28 @@
+"""Every policy file shipped in policies/ is valid."""
+
+from pathlib import Path
+
+import pytest
+
+from proxy import config
+from proxy.cli import _policy_without_instances, local_policy
+
+POLICIES = sorted((Path(__file__).resolve().parents[2] / "policies").glob("*.yaml"))
+
+
+class _Server:
+    name, http_url, grpc_address, metrics_url = "t0", "http://127.0.0.1:1", "127.0.0.1:2", None
+
+
+@pytest.mark.parametrize("path", POLICIES, ids=[p.name for p in POLICIES])
+def test_shipped_policy_loads(path: Path) -> None:
+    doc = config.read_document(path)
+    if "instances" in doc:
+        cfg = config.load_file(path)
+    else:  # a file for `triton-proxy up`, which supplies the instances
+        cfg = config.parse(local_policy([_Server()], _policy_without_instances(path), (0, 0, 0)))
+    assert cfg.instances
+
+
+def test_policies_exist() -> None:
+    assert {p.name for p in POLICIES} >= {"example.yaml", "local.yaml"}
