@@ -81,14 +81,19 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:
-    """``preexec_fn``: SIGKILL this child when the spawning thread's process goes away."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        os._exit(125)
-    # The parent may have died between fork and prctl: then nobody would ever signal us.
-    if os.getppid() == 1:
-        os._exit(125)
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn``: SIGKILL the child when its parent (``parent_pid``) goes away."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(125)
+        # The parent may have died between fork and prctl: then nobody would ever signal us.
+        # (Compared by pid, not with 1: the launcher itself may be a container's init.)
+        if os.getppid() != parent_pid:
+            os._exit(125)
+
+    return preexec
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -383,7 +388,7 @@ class LocalFleet:
                     env=env,
                     cwd=self.log_dir,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=_die_with_parent(os.getpid()),
                 )
 
         proc = self._spawner.submit(popen).result()

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -306,3 +307,81 @@ def test_missing_model_is_reported_before_starting(tmp_path: Path) -> None:
     with pytest.raises(inst.LocalTritonError, match="nope"):
         fleet.start()
     assert not fleet.started_pgids
+
+
+# A stand-in for tritonserver: answers 200 on every path of its --http-port.
+FAKE_SERVER = f"""#!{sys.executable}
+import http.server, sys
+port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def _wait_gone(pgid: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_start_kill_restart_stop_with_a_fake_server(tmp_path: Path) -> None:
+    fleet = _fake_fleet(tmp_path, FAKE_SERVER)
+    try:
+        # Started from a thread that then ends: the server must outlive it (PDEATHSIG follows
+        # the forking thread, which is why the fleet forks from its own long-lived thread).
+        thread = threading.Thread(target=fleet.start, kwargs={"timeout_s": 20})
+        thread.start()
+        thread.join()
+        first = fleet.server(0)
+        time.sleep(0.3)
+        assert group_members(first.pid) == [first.pid]
+
+        fleet.kill(0)
+        assert group_members(first.pid) == []
+        second = fleet.restart(0, timeout_s=20)
+        assert second.pid != first.pid
+        assert second.http_url == first.http_url and second.grpc_address == first.grpc_address
+        assert "--http-port=" in (tmp_path / "logs" / "triton-0.log").read_text()
+    finally:
+        fleet.stop()
+    assert fleet.servers == []
+    assert all(group_members(pgid) == [] for pgid in fleet.started_pgids)
+
+
+def test_servers_die_with_their_launcher(tmp_path: Path) -> None:
+    sp = fake_site_packages(tmp_path, server_script=FAKE_SERVER)
+    (tmp_path / "repo" / "simple").mkdir(parents=True)
+    launcher = f"""
+import sys, time
+from pathlib import Path
+from proxy.local import LocalFleet, find_install
+root = Path({str(tmp_path)!r})
+fleet = LocalFleet(2, root / "repo", ["simple"], root / "logs",
+                   install=find_install(root / "site-packages"), backend_dir=root / "backends")
+print(" ".join(str(s.pid) for s in fleet.start(timeout_s=20)), flush=True)
+time.sleep(60)
+"""
+    assert sp.is_dir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(group_members(p) == [p] for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        assert _wait_gone(pid), f"server {pid} outlived its launcher"
