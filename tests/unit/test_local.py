@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -383,5 +384,7 @@ time.sleep(60)
     finally:
         proc.kill()
         proc.wait()
-    for pid in pids:
-        assert _wait_gone(pid), f"server {pid} outlived its launcher"
+    survivors = [pid for pid in pids if not _wait_gone(pid)]
+    for pid in survivors:  # do not leave them behind when the test fails
+        os.killpg(pid, signal.SIGKILL)
+    assert not survivors, f"servers {survivors} outlived their launcher"
