@@ -7,9 +7,9 @@ does not handle itself is relayed to a ready instance, so Triton answers it exac
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -20,6 +20,14 @@ from proxy.dispatch import Call
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.frontends.common import (
+    SHARED_MEMORY_MESSAGE,
+    SharedMemoryAction,
+    SharedMemoryKind,
+    admin_failure_message,
+    check_admin,
+    shared_memory_call,
+)
 from proxy.frontends.kserve_http import HEADER_LENGTH, read_params, with_parameter
 from proxy.runtime import Runtime
 
@@ -40,11 +48,14 @@ HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
-SHARED_MEMORY_MESSAGE = (
-    "shared memory is not supported through triton-proxy: the proxy forwards requests over "
-    "the network to several Triton servers, so a region registered on this host cannot be "
-    "read by them; send tensors in the request body (binary tensor extension) instead"
+_SHARED_MEMORY_PATH = re.compile(
+    r"^(?:/region/(?P<region>[^/]+))?/(?P<action>status|register|unregister)$"
 )
+_SHARED_MEMORY_ACTIONS: dict[str, SharedMemoryAction] = {
+    "status": "status",
+    "register": "register",
+    "unregister": "unregister",
+}
 
 
 def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -218,22 +229,17 @@ class HttpFrontend:
         )
 
     async def shared_memory(self, request: web.Request) -> web.Response:
-        raise ProxyError(Code.UNSUPPORTED, SHARED_MEMORY_MESSAGE)
+        match = _SHARED_MEMORY_PATH.match(request.match_info["tail"])
+        if match is None:
+            raise ProxyError(Code.UNSUPPORTED, SHARED_MEMORY_MESSAGE)
+        action = _SHARED_MEMORY_ACTIONS[match["action"]]
+        kind: SharedMemoryKind = "cuda" if request.path.startswith("/v2/cuda") else "system"
+        shared_memory_call(kind, action, match["region"] or "")
+        # What Triton answers with no region registered.
+        return web.json_response([]) if action == "status" else web.Response(status=200)
 
     def _check_admin(self, request: web.Request) -> None:
-        admin = self._rt().config.admin
-        if not admin.enabled or not admin.token:
-            raise ProxyError(
-                Code.PERMISSION_DENIED,
-                "model control through triton-proxy is disabled; enable it with admin.enabled "
-                "and admin.token in the policy file",
-            )
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), admin.token.encode()):
-            raise ProxyError(
-                Code.PERMISSION_DENIED,
-                "model control needs the admin token: send 'Authorization: Bearer <token>'",
-            )
+        check_admin(self._rt().config.admin, request.headers.get("Authorization"))
 
     async def admin_first(self, request: web.Request) -> web.StreamResponse:
         self._check_admin(request)
@@ -260,8 +266,5 @@ class HttpFrontend:
         name, status, data = failed[0] if failed else answers[0]
         if failed and len(answers) > 1:
             message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
-            data = error_body(
-                f"{message} (on instance '{name}'; {len(failed)} of "
-                f"{len(answers)} instances failed)"
-            )
+            data = error_body(admin_failure_message(message, name, len(failed), len(answers)))
         return web.Response(status=status, body=data, content_type="application/json")
