@@ -16,6 +16,7 @@ from proxy.config import ProxyConfig
 from proxy.dispatch import Dispatcher
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
+from proxy.fleet.grpc_upstream import GrpcUpstreams
 from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.scraper import Scraper
@@ -59,6 +60,12 @@ class Runtime:
         self.upstreams = HttpUpstreams(
             self.fleet,
             connections_per_instance=config.limits.connections_per_instance,
+            connect_timeout_s=config.limits.connect_timeout_s,
+            request_timeout_s=config.limits.request_timeout_s,
+        )
+        self.grpc_upstreams = GrpcUpstreams(
+            self.fleet,
+            max_send_bytes=config.limits.max_body_bytes,
             connect_timeout_s=config.limits.connect_timeout_s,
             request_timeout_s=config.limits.request_timeout_s,
         )
@@ -198,3 +205,4 @@ class Runtime:
         await self.scraper.stop()
         await self.health.stop()
         await self.upstreams.close()
+        await self.grpc_upstreams.close()
