@@ -8,10 +8,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from aiohttp import web
 
 from proxy.clock import Clock, MonotonicClock
 from proxy.config import ProxyConfig
+from proxy.frontends.grpc import GrpcFrontend
 from proxy.frontends.http import HttpFrontend
 from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
@@ -52,6 +54,7 @@ class ProxyServer:
         self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
+        self._grpc_server: grpc.aio.Server | None = None
         self.ports: BoundPorts | None = None
 
     def request_reload(self) -> None:
@@ -62,6 +65,7 @@ class ProxyServer:
         return self.runtime
 
     async def start(self) -> BoundPorts:
+        serves_grpc = self._serves_grpc()
         await self.runtime.start()
         listen = self.config.listen
         app = HttpFrontend(self.current).app(self.config.limits.max_body_bytes)
@@ -71,8 +75,30 @@ class ProxyServer:
         await site.start()
         http_port = self._http_runner.addresses[0][1]
         self._metrics_runner, metrics_port = await self._start_metrics()
-        self.ports = BoundPorts(http=http_port, grpc=None, metrics=metrics_port)
+        grpc_port = await self._start_grpc() if serves_grpc else None
+        self.ports = BoundPorts(http=http_port, grpc=grpc_port, metrics=metrics_port)
         return self.ports
+
+    def _serves_grpc(self) -> bool:
+        """gRPC is served when the instances have gRPC addresses: all of them, or it is off."""
+        without = [i.name for i in self.config.instances if i.grpc is None]
+        if without and len(without) < len(self.config.instances):
+            raise ValueError(
+                f"instances {', '.join(without)} have no gRPC address: set instances[].grpc "
+                "on every instance (or on none, to serve HTTP only)"
+            )
+        if without:
+            log.info("no instance has a gRPC address (instances[].grpc): gRPC frontend off")
+        return not without
+
+    async def _start_grpc(self) -> int:
+        listen = self.config.listen
+        server = GrpcFrontend(self.current).server(self.config.limits.max_body_bytes)
+        host = f"[{listen.host}]" if ":" in listen.host else listen.host
+        port: int = server.add_insecure_port(f"{host}:{listen.grpc_port}")
+        await server.start()
+        self._grpc_server = server
+        return port
 
     async def _start_metrics(self) -> tuple[web.AppRunner, int]:
         async def metrics(request: web.Request) -> web.Response:
@@ -88,6 +114,13 @@ class ProxyServer:
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests drain (bounded), then cancel the rest."""
+        grpc_stopped = None
+        if self._grpc_server is not None:
+            # Refuses new calls at once, cancels those still running after the grace.
+            grpc_stopped = asyncio.create_task(
+                self._grpc_server.stop(self.config.limits.drain_timeout_s)
+            )
+            self._grpc_server = None
         if self._http_runner is not None:
             await self._http_runner.shutdown()
             deadline = self.clock.now() + self.config.limits.drain_timeout_s
@@ -95,6 +128,8 @@ class ProxyServer:
                 await asyncio.sleep(0.05)
             await self._http_runner.cleanup()
             self._http_runner = None
+        if grpc_stopped is not None:
+            await grpc_stopped
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None

@@ -1,0 +1,383 @@
+"""Triton's gRPC protocol (``inference.GRPCInferenceService``), served by the proxy.
+
+Every method is served by a generic handler with identity serializers: messages stay bytes.
+Inference requests are read only as far as routing needs (model name and a few parameters, see
+:mod:`proxy.frontends.kserve_grpc`) and forwarded as the client's bytes through the instance's
+pooled channel; answers and Triton's error statuses come back unchanged. Metadata, the client's
+deadline and its cancellation travel upstream with each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from tritonclient.grpc import service_pb2 as pb
+
+from proxy.dispatch import Call
+from proxy.errors import Code, ProxyError
+from proxy.fleet.grpc_upstream import Metadata, upstream_error
+from proxy.fleet.instances import Instance
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.frontends.common import (
+    SharedMemoryAction,
+    SharedMemoryKind,
+    admin_failure_message,
+    check_admin,
+    shared_memory_call,
+)
+from proxy.frontends.http import HOP_BY_HOP
+from proxy.frontends.kserve_grpc import read_infer, with_parameter
+from proxy.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+# Besides HTTP's hop-by-hop headers: gRPC's own, which each channel sets for itself.
+_NOT_FORWARDED = HOP_BY_HOP | {"content-type", "user-agent"}
+# Statuses that say something about the instance itself (HTTP 5xx): probe it soon.
+_SERVER_TROUBLE = frozenset(
+    (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
+)
+_LIVE: bytes = pb.ServerLiveResponse(live=True).SerializeToString()
+_READY: bytes = pb.ServerReadyResponse(ready=True).SerializeToString()
+_NOT_READY: bytes = pb.ServerReadyResponse(ready=False).SerializeToString()
+
+UnaryHandler = Callable[[bytes, Any], Awaitable[bytes]]
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def forward_metadata(
+    metadata: Iterable[tuple[str, str | bytes]], drop: Collection[str] = ()
+) -> Metadata:
+    """Metadata to send upstream: all but pseudo-headers, gRPC's own and hop-by-hop keys."""
+    return [
+        (k, v)
+        for k, v in metadata
+        if not k.startswith((":", "grpc-")) and k not in _NOT_FORWARDED and k not in drop
+    ]
+
+
+def _metadata(context: Any) -> list[tuple[str, str | bytes]]:
+    return [(k.lower(), v) for k, v in context.invocation_metadata() or ()]
+
+
+async def _abort(
+    context: Any, code: grpc.StatusCode, details: str, trailing: Metadata = ()
+) -> NoReturn:
+    await context.abort(code, details, trailing_metadata=tuple(trailing))
+    raise AssertionError("ServicerContext.abort returns only by raising")
+
+
+async def abort_with(context: Any, exc: ProxyError | grpc.aio.AioRpcError) -> NoReturn:
+    """End the client's call with the proxy's error, or with Triton's status unchanged."""
+    if isinstance(exc, ProxyError):
+        trailing: Metadata = ()
+        if exc.retry_after_s is not None:
+            trailing = [("retry-after", str(max(1, round(exc.retry_after_s))))]
+        await _abort(context, grpc.StatusCode[exc.code.grpc_name], exc.message, trailing)
+    await _abort(
+        context, exc.code(), exc.details() or "", forward_metadata(exc.trailing_metadata() or ())
+    )
+
+
+def _guard(handler: UnaryHandler) -> UnaryHandler:
+    async def guarded(request: bytes, context: Any) -> bytes:
+        try:
+            return await handler(request, context)
+        except (ProxyError, grpc.aio.AioRpcError) as exc:
+            await abort_with(context, exc)
+
+    return guarded
+
+
+def _parse(message_type: type[Message], data: bytes) -> Any:
+    """A small control message, or None if it does not parse (Triton will say why)."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        return None
+
+
+class GrpcFrontend:
+    """Builds the ``grpc.aio`` server serving Triton's gRPC protocol for one :class:`Runtime`."""
+
+    def __init__(self, runtime_ref: Callable[[], Runtime]) -> None:
+        # A callable, not a Runtime: a policy reload swaps the runtime under running servers.
+        self._rt = runtime_ref
+
+    def server(self, max_receive_bytes: int) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_receive_bytes),
+                # Responses are bounded by Triton, not by the proxy (as over HTTP).
+                ("grpc.max_send_message_length", -1),
+                # Linux gRPC servers share a port with any other by default: fail instead.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers([self.handler()])
+        return server
+
+    def unary_methods(self) -> dict[str, UnaryHandler]:
+        methods: dict[str, UnaryHandler] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelInfer": self.model_infer,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.to_every_instance("RepositoryModelLoad"),
+            "RepositoryModelUnload": self.to_every_instance("RepositoryModelUnload"),
+            "TraceSetting": self.settings("TraceSetting", pb.TraceSettingRequest),
+            "LogSettings": self.settings("LogSettings", pb.LogSettingsRequest),
+        }
+        for name in (
+            "ServerMetadata",
+            "ModelReady",
+            "ModelMetadata",
+            "ModelConfig",
+            "ModelStatistics",
+        ):
+            methods[name] = self.relayed(name)
+        kinds: tuple[tuple[SharedMemoryKind, str], ...] = (
+            ("system", "SystemSharedMemory"),
+            ("cuda", "CudaSharedMemory"),
+        )
+        actions: tuple[tuple[SharedMemoryAction, str], ...] = (
+            ("status", "Status"),
+            ("register", "Register"),
+            ("unregister", "Unregister"),
+        )
+        for kind, prefix in kinds:
+            for action, suffix in actions:
+                request_type = getattr(pb, f"{prefix}{suffix}Request")
+                methods[prefix + suffix] = self.shared_memory(kind, action, request_type)
+        return methods
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(_guard(fn))
+            for name, fn in self.unary_methods().items()
+        }
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # --- health ---------------------------------------------------------------------------
+    async def server_live(self, request: bytes, context: Any) -> bytes:
+        return _LIVE
+
+    async def server_ready(self, request: bytes, context: Any) -> bytes:
+        return _READY if self._rt().fleet.any_healthy() else _NOT_READY
+
+    # --- inference ------------------------------------------------------------------------
+    def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
+        model, params = read_infer(request)
+        headers = {k: v for k, v in metadata if isinstance(v, str)}
+        return Call(
+            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+        )
+
+    async def _unary(
+        self,
+        rt: Runtime,
+        instance: Instance,
+        method: str,
+        request: bytes,
+        metadata: Metadata,
+        context: Any,
+    ) -> bytes:
+        try:
+            return await rt.grpc_upstreams.unary(
+                instance, method_path(method), request, metadata, context.time_remaining()
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _SERVER_TROUBLE:
+                rt.health.check_soon(instance)
+            raise
+
+    async def model_infer(self, request: bytes, context: Any) -> bytes:
+        rt = self._rt()
+        metadata = _metadata(context)
+        forward = forward_metadata(metadata)
+
+        async def send(instance: Instance, priority: int | None) -> bytes:
+            data = _prioritized(request, priority)
+            return await self._unary(rt, instance, "ModelInfer", data, forward, context)
+
+        return await rt.dispatcher.run(self._call(rt, request, metadata), send)
+
+    async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
+        """The whole stream stays on the instance chosen for its first request."""
+        try:
+            incoming = aiter(requests)
+            first = await anext(incoming, None)
+            if first is None:
+                return
+            rt = self._rt()
+            metadata = _metadata(context)
+            forward = forward_metadata(metadata)
+
+            async def send(instance: Instance, priority: int | None) -> None:
+                await self._relay_stream(rt, instance, priority, first, incoming, forward, context)
+
+            await rt.dispatcher.run(self._call(rt, first, metadata), send, stream=True)
+        except (ProxyError, grpc.aio.AioRpcError) as exc:
+            await abort_with(context, exc)
+
+    async def _relay_stream(
+        self,
+        rt: Runtime,
+        instance: Instance,
+        priority: int | None,
+        first: bytes,
+        incoming: AsyncIterator[bytes],
+        metadata: Metadata,
+        context: Any,
+    ) -> None:
+        upstream = rt.grpc_upstreams.stream(
+            instance, method_path("ModelStreamInfer"), metadata, context.time_remaining()
+        )
+        try:
+            try:
+                await upstream.write(_prioritized(first, priority))
+            except grpc.aio.AioRpcError as exc:
+                # Only here can a stream be retried elsewhere: nothing else was taken from
+                # the client yet.
+                transport = upstream_error(exc)
+                raise (transport or exc) from exc
+            sender = asyncio.create_task(_send_requests(incoming, upstream, priority))
+            try:
+                async for response in upstream:
+                    await context.write(response)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _SERVER_TROUBLE:
+                    rt.health.check_soon(instance)
+                if upstream_error(exc) is not None:
+                    raise UpstreamLostError(exc.details() or "") from exc
+                raise
+            except asyncio.CancelledError:
+                # A failed read of the client's requests cancels the upstream call, whose
+                # responses then read as cancelled: report the read's failure instead.
+                if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                    raise sender.exception() from None  # type: ignore[misc]
+                raise
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+        finally:
+            upstream.cancel()
+
+    # --- everything else ------------------------------------------------------------------
+    async def _relay(
+        self, method: str, request: bytes, context: Any, drop: Collection[str] = ()
+    ) -> bytes:
+        """Metadata, config, statistics...: any ready instance answers as Triton would."""
+        rt = self._rt()
+        forward = forward_metadata(_metadata(context), drop)
+        last: Exception | None = None
+        for instance in rt.fleet.healthy():
+            try:
+                return await self._unary(rt, instance, method, request, forward, context)
+            except (UpstreamConnectError, UpstreamLostError) as exc:
+                # These calls only read, so the next instance may answer instead.
+                what = "lost" if isinstance(exc, UpstreamLostError) else "failed"
+                rt.fleet.report_failure(instance, f"gRPC connection {what}: {exc}")
+                last = exc
+        raise ProxyError(
+            Code.UNAVAILABLE,
+            "no ready Triton instance" + (f" (last error: {last})" if last else ""),
+        )
+
+    def relayed(self, method: str) -> UnaryHandler:
+        async def handler(request: bytes, context: Any) -> bytes:
+            return await self._relay(method, request, context)
+
+        return handler
+
+    def _check_admin(self, context: Any) -> None:
+        given = next((v for k, v in _metadata(context) if k == "authorization"), None)
+        check_admin(self._rt().config.admin, given if isinstance(given, str) else None)
+
+    async def repository_index(self, request: bytes, context: Any) -> bytes:
+        self._check_admin(context)
+        return await self._relay("RepositoryIndex", request, context, drop=("authorization",))
+
+    def to_every_instance(self, method: str) -> UnaryHandler:
+        """Load/unload/settings go to every instance; the first failure is returned."""
+
+        async def handler(request: bytes, context: Any) -> bytes:
+            self._check_admin(context)
+            rt = self._rt()
+            forward = forward_metadata(_metadata(context), drop=("authorization",))
+            answers: list[tuple[str, bytes]] = []
+            failed: list[tuple[str, grpc.StatusCode, str]] = []
+            for instance in rt.fleet.all():
+                try:
+                    answer = await self._unary(rt, instance, method, request, forward, context)
+                    answers.append((instance.name, answer))
+                except grpc.aio.AioRpcError as exc:
+                    failed.append((instance.name, exc.code(), exc.details() or ""))
+                except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
+                    failed.append(
+                        (instance.name, grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}")
+                    )
+            if not failed:
+                return answers[0][1]
+            name, code, details = failed[0]
+            total = len(answers) + len(failed)
+            await _abort(context, code, admin_failure_message(details, name, len(failed), total))
+
+        return handler
+
+    def settings(self, method: str, request_type: type[Message]) -> UnaryHandler:
+        """Reading trace/log settings is open (as HTTP GET is); changing them is admin."""
+        change = self.to_every_instance(method)
+
+        async def handler(request: bytes, context: Any) -> bytes:
+            parsed = _parse(request_type, request)
+            if parsed is not None and not parsed.settings:
+                return await self._relay(method, request, context)
+            return await change(request, context)
+
+        return handler
+
+    def shared_memory(
+        self, kind: SharedMemoryKind, action: SharedMemoryAction, request_type: type[Message]
+    ) -> UnaryHandler:
+        async def handler(request: bytes, context: Any) -> bytes:
+            parsed = _parse(request_type, request)
+            shared_memory_call(kind, action, parsed.name if parsed is not None else "")
+            # Status with no regions and unregister answer an empty message.
+            return b""
+
+        return handler
+
+
+def _prioritized(request: bytes, priority: int | None) -> bytes:
+    """The request with the Triton priority of its class, when scheduling assigns one."""
+    return request if priority is None else with_parameter(request, "priority", priority)
+
+
+async def _send_requests(
+    incoming: AsyncIterator[bytes], upstream: Any, priority: int | None
+) -> None:
+    """Relay the client's requests as they arrive, then half-close upstream."""
+    try:
+        async for request in incoming:
+            await upstream.write(_prioritized(request, priority))
+        await upstream.done_writing()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return  # the upstream call ended; the response side reports how
+    except Exception:
+        upstream.cancel()
+        raise

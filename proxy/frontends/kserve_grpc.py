@@ -1,0 +1,97 @@
+"""The little of a gRPC ``ModelInferRequest`` that routing reads, and the one edit it makes.
+
+Requests are forwarded as the client's bytes. Routing needs ``model_name`` (field 1) and a few
+``parameters`` (field 4, ``map<string, InferParameter>``); the tensors (``inputs``,
+``raw_input_contents``...) can be megabytes, so the top-level fields are walked on the wire and
+only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped, never copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from proxy.frontends.kserve_http import NO_PARAMS, InferParams, params_from_mapping
+
+_MODEL_NAME = 1
+_PARAMETERS = 4
+_ROUTING_FIELDS = frozenset((_MODEL_NAME, _PARAMETERS))
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def routing_fields(data: bytes) -> bytes:
+    """The encoded ``model_name`` and ``parameters`` fields of ``data``, in their order.
+
+    Raises ``ValueError`` (or ``IndexError``) when ``data`` is not a well-formed message.
+    """
+    pos, end = 0, len(data)
+    parts: list[bytes] = []
+    while pos < end:
+        start = pos
+        key, pos = _varint(data, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated message")
+        if key >> 3 in _ROUTING_FIELDS:
+            parts.append(data[start:pos])
+    return b"".join(parts)
+
+
+def parameter_value(param: pb.InferParameter) -> Any:
+    """The Python value of one ``InferParameter`` (None when unset)."""
+    choice = param.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(param, choice)
+
+
+def read_infer(data: bytes) -> tuple[str, InferParams]:
+    """Model name and routing parameters of a serialized ``ModelInferRequest``.
+
+    A message that cannot be read yields ``("", NO_PARAMS)``: it is still forwarded, and Triton
+    answers with its own exact error.
+    """
+    try:
+        request = pb.ModelInferRequest.FromString(routing_fields(data))
+    except (ValueError, IndexError, DecodeError):
+        return "", NO_PARAMS
+    if not request.parameters:
+        return request.model_name, NO_PARAMS
+    values = {k: parameter_value(v) for k, v in request.parameters.items()}
+    return request.model_name, params_from_mapping(values)
+
+
+def with_parameter(data: bytes, name: str, value: int) -> bytes:
+    """``data`` with request parameter ``name`` set to ``value`` (an ``int64_param``).
+
+    One encoded ``parameters`` map entry is appended: protobuf parsers merge repeated fields
+    and keep the last entry of a map key, so the original bytes need no re-serialisation and an
+    existing value of ``name`` is replaced whole. ``int64_param`` is what every Triton version
+    accepts for ``priority`` and ``timeout`` (newer ones also take ``uint64_param``).
+    """
+    entry = pb.ModelInferRequest(parameters={name: pb.InferParameter(int64_param=value)})
+    encoded: bytes = entry.SerializeToString()
+    return data + encoded

@@ -1,0 +1,99 @@
+"""Reading routing fields from gRPC infer requests on the wire, and appending a parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from proxy.frontends.grpc import SERVICE, GrpcFrontend
+from proxy.frontends.kserve_grpc import read_infer, routing_fields, with_parameter
+from proxy.frontends.kserve_http import NO_PARAMS, InferParams
+
+
+def request(**params: Any) -> Any:
+    r = pb.ModelInferRequest(model_name="accumulator", model_version="1", id="req-7")
+    for key, (kind, value) in params.items():
+        setattr(r.parameters[key], kind, value)
+    i = r.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
+    i.parameters["binary_data_size"].int64_param = 4
+    r.outputs.add(name="OUTPUT")
+    r.raw_input_contents.append(b"\x05\x00\x00\x00")
+    return r
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({}, NO_PARAMS),
+        (
+            {
+                "sequence_id": ("int64_param", 42),
+                "sequence_start": ("bool_param", True),
+                "sequence_end": ("bool_param", False),
+            },
+            InferParams(sequence_id=42, sequence_start=True),
+        ),
+        (
+            {"sequence_id": ("string_param", "user-9"), "sequence_end": ("bool_param", True)},
+            InferParams(sequence_id="user-9", sequence_end=True),
+        ),
+        ({"sequence_id": ("uint64_param", 7)}, InferParams(sequence_id=7)),
+        ({"sequence_id": ("int64_param", 0)}, NO_PARAMS),
+        ({"priority": ("uint64_param", 2)}, InferParams(priority=2)),
+        ({"priority": ("int64_param", 1)}, InferParams(priority=1)),
+        ({"timeout": ("int64_param", 1000)}, NO_PARAMS),
+    ],
+)
+def test_read_infer(params: dict[str, tuple[str, Any]], expected: InferParams) -> None:
+    assert read_infer(request(**params).SerializeToString()) == ("accumulator", expected)
+
+
+def test_routing_fields_skip_tensors() -> None:
+    r = request(priority=("int64_param", 3))
+    r.raw_input_contents.append(b"x" * 1_000_000)
+    subset = routing_fields(r.SerializeToString())
+    assert len(subset) < 100
+    parsed = pb.ModelInferRequest.FromString(subset)
+    assert parsed.model_name == "accumulator"
+    assert parsed.parameters["priority"].int64_param == 3
+    assert not parsed.inputs and not parsed.raw_input_contents
+
+
+@pytest.mark.parametrize("data", [b"\x0a\x05abc", b"\xff" * 11, b"\x0b\x00", b"\x0a"])
+def test_unreadable_request_still_routes(data: bytes) -> None:
+    assert read_infer(data) == ("", NO_PARAMS)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"priority": ("uint64_param", 1)},
+        {"sequence_id": ("int64_param", 5), "priority": ("int64_param", 3)},
+    ],
+)
+def test_with_parameter_sets_value_and_keeps_the_rest(params: dict[str, tuple[str, Any]]) -> None:
+    original = request(**params)
+    data = original.SerializeToString()
+    edited = with_parameter(data, "priority", 2)
+    # The original bytes are untouched: one map entry is appended.
+    assert edited.startswith(data)
+    parsed = pb.ModelInferRequest.FromString(edited)
+    assert parsed.parameters["priority"].WhichOneof("parameter_choice") == "int64_param"
+    assert parsed.parameters["priority"].int64_param == 2
+    expected = pb.ModelInferRequest()
+    expected.CopyFrom(original)
+    expected.parameters["priority"].CopyFrom(pb.InferParameter(int64_param=2))
+    assert parsed == expected
+    assert read_infer(edited)[1].priority == 2
+
+
+def test_frontend_serves_every_method_of_the_service() -> None:
+    service = pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]]
+    names = {m.name for m in service.methods}
+    unary = {m.name for m in service.methods if not m.client_streaming}
+    served = set(GrpcFrontend(lambda: None).unary_methods())  # type: ignore[arg-type, return-value]
+    assert served == unary
+    assert names - unary == {"ModelStreamInfer"}
