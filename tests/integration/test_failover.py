@@ -87,6 +87,14 @@ def test_kill_under_load_then_rejoin(triton_fleet: Any) -> None:
 
         triton_fleet.restart(victim)
         assert _wait_for(lambda: fleet.get(name).healthy, 30), "victim never rejoined"
+        # Its metrics went stale while it was down, and a stale instance is penalised (never
+        # excluded): wait for a fresh scrape so the idle instance competes on equal terms.
+        runtime = proxy.runtime
+        assert _wait_for(
+            lambda: (snap := runtime.scraper.snapshot(name)) is not None
+            and runtime.clock.now() - snap.taken_at < 1.0,
+            30,
+        ), "victim's metrics never fresh again"
         before = fleet.get(name).in_flight
         assert before == 0
         served = proxy.runtime.router.stats.decisions

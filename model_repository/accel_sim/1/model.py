@@ -39,6 +39,7 @@ class TritonPythonModel:
         self.base_ms = float(params.get("base_ms", "3"))
         self.per_token_us = float(params.get("per_token_us", "2"))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"accel_sim running on {self.device}", flush=True)  # read by device checks
         gen = torch.Generator().manual_seed(int(params.get("seed", "1234")))
         self.table = torch.randn(VOCAB, OUT_DIM, generator=gen).to(self.device)
 

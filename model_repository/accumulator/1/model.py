@@ -35,6 +35,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("torch_num_threads", "1")))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"accumulator running on {self.device}", flush=True)  # read by device checks
         idle_us = int(config.get("sequence_batching", {}).get("max_sequence_idle_microseconds", 0))
         # Keep orphaned state a while longer than Triton keeps the sequence itself.
         self.state_ttl_s = max(2 * idle_us / 1e6, 10.0)

@@ -22,6 +22,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("torch_num_threads", "1")))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"simple running on {self.device}", flush=True)  # read by device checks
 
     def execute(self, requests: list[Any]) -> list[Any]:
         # One torch call for the whole dynamic batch; each request keeps its own rows.

@@ -63,6 +63,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("torch_num_threads", "1")))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"text_encoder running on {self.device}", flush=True)  # read by device checks
         torch.manual_seed(int(params.get("seed", "1234")))
         self.model = Encoder().to(self.device).eval()
 

@@ -62,6 +62,7 @@ class TritonPythonModel:
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
         self.max_tokens_limit = int(params.get("max_tokens_limit", "512"))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"text_generator running on {self.device}", flush=True)  # read by device checks
         torch.manual_seed(int(params.get("seed", "1234")))
         self.model = CharGRU().to(self.device).eval()
         # A GRU step is tiny; one lock keeps torch calls from different streams serial.
