@@ -156,6 +156,16 @@ class Dispatcher:
                 self.affinity.end(call.model, seq)
             return instance, result
 
+    def note_sequence(self, model: str, params: InferParams, instance: Instance) -> None:
+        """A request of a stream already placed on ``instance``: keep its sequence there."""
+        seq = params.sequence_id
+        if seq is None:
+            return
+        if params.sequence_end:
+            self.affinity.end(model, seq)
+        else:
+            self.affinity.bind(model, seq, instance.name)
+
     def _failed(self, instance: Instance, reason: str) -> None:
         self.fleet.report_failure(instance, reason)
         self.affinity.forget_instance(instance.name)

@@ -254,7 +254,13 @@ class GrpcFrontend:
                 # the client yet.
                 transport = upstream_error(exc)
                 raise (transport or exc) from exc
-            sender = asyncio.create_task(_send_requests(incoming, upstream, priority))
+
+            def on_request(request: bytes) -> None:
+                # Sequences started or ended later in the stream stay placed on its instance.
+                model, params = read_infer(request)
+                rt.dispatcher.note_sequence(model, params, instance)
+
+            sender = asyncio.create_task(_send_requests(incoming, upstream, priority, on_request))
             try:
                 async for response in upstream:
                     await context.write(response)
@@ -369,11 +375,15 @@ def _prioritized(request: bytes, priority: int | None) -> bytes:
 
 
 async def _send_requests(
-    incoming: AsyncIterator[bytes], upstream: Any, priority: int | None
+    incoming: AsyncIterator[bytes],
+    upstream: Any,
+    priority: int | None,
+    on_request: Callable[[bytes], None],
 ) -> None:
     """Relay the client's requests as they arrive, then half-close upstream."""
     try:
         async for request in incoming:
+            on_request(request)
             await upstream.write(_prioritized(request, priority))
         await upstream.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -196,11 +196,6 @@ async def test_affinity_entry_lives_until_sequence_end(proxy: ProxyThread, proto
         assert await in_proxy(proxy, lambda: affinity.lookup(MODEL, seq)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy bug: only a stream's first request is routed, so a sequence_end later in a "
-    "ModelStreamInfer stream does not reach the affinity table (entry kept until idle timeout)",
-)
 async def test_affinity_entry_gone_after_sequence_end_in_a_stream(proxy: ProxyThread) -> None:
     affinity = proxy.runtime.affinity
     seq = fresh_id("int")
