@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,11 +14,12 @@ import grpc
 from aiohttp import web
 
 from proxy.clock import Clock, MonotonicClock
-from proxy.config import ProxyConfig
+from proxy.config import ProxyConfig, load_file
 from proxy.frontends.grpc import GrpcFrontend
 from proxy.frontends.http import HttpFrontend
 from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
+from proxy.strict import ConfigError
 from proxy.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -27,6 +30,14 @@ class BoundPorts:
     http: int
     grpc: int | None
     metrics: int | None
+
+
+def _stamp(path: Path) -> tuple[float, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime, st.st_size
 
 
 class ProxyServer:
@@ -41,6 +52,8 @@ class ProxyServer:
         rng: random.Random | None = None,
         telemetry: Telemetry | None = None,
         gate_observer: GateObserver | None = None,
+        watch_interval_s: float = 1.0,
+        policy_loader: Callable[[Path], ProxyConfig] = load_file,
     ) -> None:
         self.config = config
         self.policy_path = policy_path
@@ -56,10 +69,46 @@ class ProxyServer:
         self._metrics_runner: web.AppRunner | None = None
         self._grpc_server: grpc.aio.Server | None = None
         self.ports: BoundPorts | None = None
+        self.watch_interval_s = watch_interval_s
+        self.policy_loader = policy_loader
+        self._reload_wanted = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
 
     def request_reload(self) -> None:
-        """Re-read the policy file (SIGHUP); a bad file keeps the running policy."""
-        log.warning("policy reload requested but not implemented yet")
+        """Re-read the policy file soon (SIGHUP handler; safe to call from a signal)."""
+        self._reload_wanted.set()
+
+    async def reload(self) -> bool:
+        """Re-read the policy file and apply it; a bad file keeps the running policy."""
+        if self.policy_path is None:
+            log.warning("reload requested, but the proxy was not started from a policy file")
+            return False
+        try:
+            config = self.policy_loader(self.policy_path)
+            restart_only = await self.runtime.apply(config)
+        except (ConfigError, ValueError) as exc:
+            self.telemetry.reloads.labels("error").inc()
+            log.error("policy reload failed, keeping the running policy: %s", exc)
+            return False
+        self.config = config
+        self.telemetry.reloads.labels("ok").inc()
+        log.info("policy reloaded from %s", self.policy_path)
+        if restart_only:
+            log.warning("changed sections that need a restart: %s", ", ".join(restart_only))
+        return True
+
+    async def _watch_policy(self) -> None:
+        """Reload on SIGHUP or when the policy file changes on disk."""
+        assert self.policy_path is not None
+        seen = _stamp(self.policy_path)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reload_wanted.wait(), self.watch_interval_s)
+            stamp = _stamp(self.policy_path)
+            if self._reload_wanted.is_set() or stamp != seen:
+                self._reload_wanted.clear()
+                seen = stamp
+                await self.reload()
 
     def current(self) -> Runtime:
         return self.runtime
@@ -77,6 +126,8 @@ class ProxyServer:
         self._metrics_runner, metrics_port = await self._start_metrics()
         grpc_port = await self._start_grpc() if serves_grpc else None
         self.ports = BoundPorts(http=http_port, grpc=grpc_port, metrics=metrics_port)
+        if self.policy_path is not None:
+            self._watch_task = asyncio.create_task(self._watch_policy(), name="policy-watch")
         return self.ports
 
     def _serves_grpc(self) -> bool:
@@ -114,6 +165,11 @@ class ProxyServer:
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests drain (bounded), then cancel the rest."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
         grpc_stopped = None
         if self._grpc_server is not None:
             # Refuses new calls at once, cancels those still running after the grace.

@@ -86,13 +86,14 @@ class Runtime:
         )
         self.router = Router(config.routing, clock, rng)
         self.placement = FleetPlacement(self.fleet, self.upstreams, self._choose, self._snapshot)
+        observers: list[GateObserver] = [_GateTelemetry(telemetry)]
+        if gate_observer is not None:
+            observers.append(gate_observer)
+        self._gate_observer = FanOutObserver(observers)
         self.gates: ModelGates | None = None
         classifier = None
         if config.scheduling is not None:
-            observers: list[GateObserver] = [_GateTelemetry(telemetry)]
-            if gate_observer is not None:
-                observers.append(gate_observer)
-            self.gates = ModelGates(config.scheduling, self.fleet, clock, FanOutObserver(observers))
+            self.gates = ModelGates(config.scheduling, self.fleet, clock, self._gate_observer)
             classifier = Classifier(config.scheduling)
         self.dispatcher = Dispatcher(
             self.fleet,
@@ -193,6 +194,39 @@ class Runtime:
                     queued.add_metric([model, klass], gate.queued(klass))
                     running.add_metric([model, klass], gate.in_flight(klass))
             yield from (queued, running, capacity)
+
+    # --- reload -------------------------------------------------------------------------
+    async def apply(self, config: ProxyConfig) -> list[str]:
+        """Adopt a reloaded policy in place, keeping fleet state, counts and queues.
+
+        Everything that can fail is built first; then each part is swapped by one reference,
+        so a request sees either the old policy or the new one. Returns the sections that only
+        take effect on restart (listening ports, limits, sequence table).
+        """
+        router = Router(config.routing, self.clock, self.rng, self.router.stats)
+        classifier = Classifier(config.scheduling) if config.scheduling is not None else None
+        restart_only = [
+            name
+            for name in ("listen", "limits", "sequences", "scrape")
+            if getattr(config, name) != getattr(self.config, name)
+        ]
+        self.fleet.set_specs(config.instances, config.health)
+        self.scraper.set_targets({i.name: i.metrics for i in config.instances if i.metrics})
+        await self.upstreams.retire({i.name for i in config.instances})
+        await self.grpc_upstreams.retire({i.name for i in config.instances})
+        self.router = router
+        if config.scheduling is None:
+            # Requests already queued drain through the old gates as slots free up.
+            self.gates = None
+        elif self.gates is None:
+            self.gates = ModelGates(config.scheduling, self.fleet, self.clock, self._gate_observer)
+        else:
+            self.gates.reconfigure(config.scheduling)
+        d = self.dispatcher
+        d.admission, d.classifier = self.gates, classifier
+        d.retries, d.max_retries = router.retry_budget, config.routing.retry.max_retries
+        self.config = config
+        return restart_only
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,18 +43,24 @@ REQUESTS = {
 
 def post(url: str, path: str, body: dict[str, object]) -> dict[str, object]:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')}"}
 
 
 def outputs(url: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for model, body in REQUESTS.items():
         answer = post(url, f"/v2/models/{model}/infer", body)
+        if "error" in answer:
+            out[model] = answer
+            continue
         out[model] = {o["name"]: o["data"] for o in answer["outputs"]}  # type: ignore[index,union-attr]
     gen = post(url, "/v2/models/text_generator/generate",
                {"text_input": "hello", "max_tokens": 8, "stream": False})
-    out["text_generator"] = gen.get("text_output")
+    out["text_generator"] = gen.get("text_output", gen)
     return out
 
 
@@ -72,7 +79,8 @@ def run(log_dir: Path, cuda: bool) -> tuple[dict[str, object], str]:
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        with LocalFleet(1, ROOT / "model_repository", MODELS, log_dir / ("gpu" if cuda else "cpu")) as f:
+        logs = log_dir / ("gpu" if cuda else "cpu")
+        with LocalFleet(1, ROOT / "model_repository", MODELS, logs) as f:
             server = f.start(timeout_s=300)[0]
             result = outputs(server.http_url)
             log = server.log_path.read_text(errors="replace")
@@ -90,7 +98,7 @@ def main() -> int:
     cpu, _ = run(log_dir, cuda=False)
     ok = True
     for model in gpu:
-        same = close(gpu[model], cpu[model])
+        same = close(gpu[model], cpu[model]) and "error" not in str(gpu[model])[:20]
         ok &= same
         print(f"{model:15s} GPU vs CPU outputs {'match' if same else 'DIFFER'}")
         if not same:
