@@ -7,6 +7,7 @@ running one's fleet state where instances are unchanged, then swaps one referenc
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -109,9 +110,12 @@ class Runtime:
 
     # --- wiring -------------------------------------------------------------------------
     def _choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        began = time.perf_counter()
         chosen = self.router.choose(request, candidates)
+        elapsed = time.perf_counter() - began
         name, _ = self.router.policy(request.model)
         self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
+        self.telemetry.decision_time.labels(name).observe(elapsed)
         return chosen
 
     def _snapshot(self, instance: str) -> tuple[InstanceSnapshot | None, bool]:
