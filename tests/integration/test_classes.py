@@ -165,3 +165,45 @@ async def test_api_key_decides_the_class_not_the_client(proxy: Any) -> None:
         # A key the policy trusts may choose its class per request.
         assert (await post(session, base, GATEWAY_KEY, promote))[0] == 200
         assert watch.dispatched[-1][0] == "realtime"
+
+
+class Cancels(Watch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled: list[str] = []
+
+    def on_cancel(self, class_name: str) -> None:
+        self.cancelled.append(class_name)
+
+
+async def test_client_that_gives_up_leaves_the_queue_at_once(triton_fleet: Any) -> None:
+    # One slot for the class, held by a long generation; the next request must queue.
+    policy = {
+        "scheduling": {
+            "default_class": "online",
+            "classes": {"online": {"rank": 0, "max_concurrency": 1}},
+        }
+    }
+    watch = Cancels()
+    with running_proxy(triton_fleet.servers, policy, gate_observer=watch) as p:
+        watch.proxy = p
+        url = f"http://{p.http}/v2/models/text_generator/generate_stream"
+        long_body = {"text_input": "hold the slot", "max_tokens": 200}  # ~6 s
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, json=long_body) as holder,
+        ):
+            await holder.content.readline()  # the first token: the slot is taken
+            gate = p.runtime.gates.gates["text_generator"]
+            assert gate.in_flight("online") == 1
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(
+                    session.post(url, json={"text_input": "x", "max_tokens": 2}), 0.3
+                )
+            # Gone from the queue while the holder still streams.
+            deadline = time.monotonic() + 5
+            while gate.queued("online"):
+                assert time.monotonic() < deadline, "the abandoned request stayed queued"
+                await asyncio.sleep(0.01)
+            assert watch.cancelled == ["online"]
+            assert gate.in_flight("online") == 1
