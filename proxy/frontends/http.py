@@ -196,19 +196,26 @@ class HttpFrontend:
             if upstream.status >= 500:
                 rt.health.check_soon(instance)
             out_headers = _forward_headers(upstream.headers)
-            try:
-                if not stream:
+            if not stream:
+                try:
                     data = await upstream.read()
-                    return web.Response(status=upstream.status, body=data, headers=out_headers)
-                response = web.StreamResponse(status=upstream.status, headers=out_headers)
-                await response.prepare(request)
+                except aiohttp.ClientPayloadError as exc:
+                    raise UpstreamLostError(str(exc)) from exc
+                return web.Response(status=upstream.status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            await response.prepare(request)
+            try:
                 # Relay each chunk as it arrives: server-sent events must not be buffered.
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
-                await response.write_eof()
-                return response
             except aiohttp.ClientPayloadError as exc:
-                raise UpstreamLostError(str(exc)) from exc
+                # Headers are sent, so no error response can follow: the client sees the
+                # stream cut short, as it would from the server itself.
+                log.warning("stream from %s broke off: %s", instance.name, exc)
+                rt.health.check_soon(instance)
+                return response
+            await response.write_eof()
+            return response
 
     # --- everything else ------------------------------------------------------------------
     async def relay(self, request: web.Request) -> web.StreamResponse:
