@@ -111,10 +111,11 @@ class OverheadReport:
         return "; ".join(x for x in (why, generator) if x)
 
     def render(self) -> str:
+        w = max([22, *(len(a) for a in self.idle.arms)])
         lines = [
             f"Proxy overhead vs {self.direct}: {PROBE_CLASS} requests on an idle fleet "
             "(latency added = arm quantile - direct quantile per repetition; median [min-max])",
-            f"{'arm':<22} {'P50 ms':>8} {'+P50 ms':>20} {'P99 ms':>8} {'+P99 ms':>20} "
+            f"{'arm':<{w}} {'P50 ms':>8} {'+P50 ms':>20} {'P99 ms':>8} {'+P99 ms':>20} "
             f"{'sustained req/s':>16}  bound",
         ]
         for arm in self.idle.arms:
@@ -122,7 +123,7 @@ class OverheadReport:
             added = self.added_ms.get(arm, {})
             top = self.sustained(arm)
             lines.append(
-                f"{arm:<22} {_f(c.p50_ms if c else None):>8} {_s(added.get('p50')):>20} "
+                f"{arm:<{w}} {_f(c.p50_ms if c else None):>8} {_s(added.get('p50')):>20} "
                 f"{_f(c.p99_ms if c else None):>8} {_s(added.get('p99')):>20} "
                 f"{(f'{top:g}' if top is not None else '-'):>16}  {self.bound(arm)}"
             )

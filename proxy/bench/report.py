@@ -55,8 +55,9 @@ def render_table(report: Report) -> str:
     )
     if report.note:
         lines.append(f"note: {report.note}")
+    w = max([22, *(len(a) for a in report.arms)])
     head = (
-        f"{'arm':<22} {'P50':>8} {'P95':>8} {'P99':>8} {'P99.9':>8} {'P99 range':>13} "
+        f"{'arm':<{w}} {'P50':>8} {'P95':>8} {'P99':>8} {'P99.9':>8} {'P99 range':>13} "
         f"{'req/s':>8} {'SLO%':>6} {'done%':>6} {'shed':>6} {'err':>6}  "
         f"{'P99 vs base':<22} {'P50 vs base':<12}"
     )
@@ -67,17 +68,17 @@ def render_table(report: Report) -> str:
         for arm in report.arms:
             c = report.merged(arm, cls)
             if c is None:
-                lines.append(f"{arm:<22} {'(no result)':>8}")
+                lines.append(f"{arm:<{w}} {'(no result)':>8}")
                 continue
             lines.append(
-                f"{arm:<22} {_ms(c.p50_ms):>8} {_ms(c.p95_ms):>8} {_ms(c.p99_ms):>8} "
+                f"{arm:<{w}} {_ms(c.p50_ms):>8} {_ms(c.p95_ms):>8} {_ms(c.p99_ms):>8} "
                 f"{_ms(c.p999_ms):>8} {_range(report.spread(arm, cls, 'p99_ms')):>13} "
                 f"{c.throughput_rps:>8.1f} {_pct(c.slo_attainment):>6} "
                 f"{_pct(c.completion_rate):>6} {c.shed:>6} {c.error + c.unfinished:>6}  "
                 f"{_ratio(report.ratio(arm, cls, 'p99_ms')):<22} "
                 f"{_ratio(report.ratio(arm, cls, 'p50_ms')):<12}"
             )
-    lines += ["", f"{'arm':<22} {'req/s':>8} {'least-served class':>28} {'lag max ms':>11}  notes"]
+    lines += ["", f"{'arm':<{w}} {'req/s':>8} {'least-served class':>28} {'lag max ms':>11}  notes"]
     for arm in report.arms:
         results = [r.arms[arm] for r in report.repetitions if arm in r.arms]
         failed = [a.failed for a in results if a.failed]
@@ -103,7 +104,7 @@ def render_table(report: Report) -> str:
             top = sorted(errors.items(), key=lambda kv: -kv[1])[:2]
             notes.append("errors: " + "; ".join(f"{n}x {k}" for k, n in top))
         lines.append(
-            f"{arm:<22} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
+            f"{arm:<{w}} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
             f"{_ms(lag):>11}  {' | '.join(notes)}"
         )
     return "\n".join(lines)

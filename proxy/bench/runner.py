@@ -88,25 +88,30 @@ class RequestEncoder:
         if cached is not None:
             return cached
         m = self.model
-        tensor: dict[str, object] = {"name": m.input, "shape": [1, tokens], "datatype": m.datatype}
+        names = (m.input, *m.extra_inputs)
+        tensors: list[dict[str, object]] = [
+            {"name": name, "shape": [1, tokens], "datatype": m.datatype} for name in names
+        ]
         params: dict[str, object] = {}
         if priority:
             params["priority"] = priority
         if m.encoding == "binary":
             data = np.ones(tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
-            tensor["parameters"] = {"binary_data_size": len(data)}
+            for tensor in tensors:
+                tensor["parameters"] = {"binary_data_size": len(data)}
             params["binary_data_output"] = True
-            header = json.dumps({"inputs": [tensor], "parameters": params}).encode()
+            header = json.dumps({"inputs": tensors, "parameters": params}).encode()
             built = (
-                header + data,
+                header + data * len(tensors),
                 {
                     "Content-Type": "application/octet-stream",
                     "Inference-Header-Content-Length": str(len(header)),
                 },
             )
         else:
-            tensor["data"] = [1] * tokens
-            doc: dict[str, object] = {"inputs": [tensor]}
+            for tensor in tensors:
+                tensor["data"] = [1] * tokens
+            doc: dict[str, object] = {"inputs": tensors}
             if params:
                 doc["parameters"] = params
             built = (json.dumps(doc).encode(), {"Content-Type": "application/json"})

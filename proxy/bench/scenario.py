@@ -93,6 +93,23 @@ class ModelSpec:
     datatype: Literal["INT64", "INT32"] = "INT64"
     encoding: Literal["binary", "json"] = "binary"
     """``binary``: tensors after a JSON header (what tritonclient sends); ``json``: all JSON."""
+    extra_inputs: tuple[str, ...] = ()
+    """More inputs sent with the same tensor as ``input`` (``simple`` needs INPUT0 and INPUT1)."""
+    parameters: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """``config.pbtxt`` string parameters overridden on the benchmark's own servers, e.g.
+    ``accel_sim``'s ``base_ms`` and ``per_token_us``: the emulated device these figures rest on
+    (see :func:`proxy.bench.fleet.bench_repository`)."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "input": self.input,
+            "datatype": self.datatype,
+            "encoding": self.encoding,
+            "extra_inputs": list(self.extra_inputs),
+            "parameters": dict(self.parameters),
+        }
 
 
 @dataclass(frozen=True)
@@ -141,7 +158,7 @@ class Scenario:
     def to_dict(self) -> dict[str, object]:
         """Plain data (JSON-friendly) mirroring the scenario file."""
         return {
-            "model": dataclasses.asdict(self.model),
+            "model": self.model.to_dict(),
             "duration_s": self.duration_s,
             "warmup_s": self.warmup_s,
             "seed": self.seed,

@@ -1,0 +1,459 @@
+"""The arms of ``triton-proxy bench``: what each one is, and how it is started.
+
+Every arm sends the same schedule to the same local Triton servers:
+
+- ``round_robin``: client round robin straight to the servers (a Kubernetes Service);
+- ``rr_priority``: the same with each class's Triton ``priority`` on the request, which any
+  Triton user can do without a proxy (a strong baseline);
+- ``haproxy_leastconn`` / ``haproxy_random2`` / ``haproxy_session``: HAProxy from Debian;
+- ``proxy_<policy>``: triton-proxy with routing policy ``<policy>`` and no classes (every
+  request dispatched at once);
+- ``proxy_<policy>+classes``: the same with a ``scheduling:`` section built from the
+  scenario's classes (:func:`scheduling_section`): class queues, Triton priority per class,
+  API keys deciding the class.
+
+Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
+share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
+``inprocess`` runs a :class:`~proxy.app.ProxyServer` in the generator's own loop, which is
+cheaper to start but charges the proxy's work to the generator's schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import aiohttp
+import yaml
+
+from proxy.bench.compare import ArmSpec
+from proxy.bench.haproxy import Backend, Balance, run_haproxy
+from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe
+from proxy.bench.scenario import ModelSpec, Scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ProxyMode = Literal["subprocess", "inprocess"]
+PROXY_MODES: tuple[ProxyMode, ...] = ("subprocess", "inprocess")
+
+PROXY_POLICIES = ("round_robin", "least_requests", "weighted_score", "p2c", "consistent_hash")
+CLASS_POLICIES = ("least_requests", "weighted_score")
+"""Policies also measured with classes (the ones that read load, where queues pay off)."""
+
+
+@dataclass(frozen=True)
+class ArmPlan:
+    """What one arm is, before anything is started (pure data, for tests and ``--list-arms``)."""
+
+    name: str
+    kind: Literal["direct", "haproxy", "proxy"]
+    description: str
+    priority: bool = False
+    """The client sets each class's Triton priority itself (direct arms)."""
+    balance: Balance | None = None
+    policy: str | None = None
+    classes: bool = False
+
+
+def _catalog() -> dict[str, ArmPlan]:
+    plans = [
+        ArmPlan("round_robin", "direct", "client round robin to Triton (a Kubernetes Service)"),
+        ArmPlan(
+            "rr_priority",
+            "direct",
+            "client round robin, each class's Triton priority on the request",
+            priority=True,
+        ),
+        ArmPlan("haproxy_leastconn", "haproxy", "HAProxy balance leastconn", balance="leastconn"),
+        ArmPlan("haproxy_random2", "haproxy", "HAProxy balance random(2)", balance="random2"),
+        ArmPlan(
+            "haproxy_session",
+            "haproxy",
+            "HAProxy hdr(x-session-id), consistent hash, hash-balance-factor 150",
+            balance="session",
+        ),
+    ]
+    plans += [
+        ArmPlan(f"proxy_{p}", "proxy", f"triton-proxy, {p}, no classes", policy=p)
+        for p in PROXY_POLICIES
+    ]
+    plans += [
+        ArmPlan(
+            f"proxy_{p}+classes",
+            "proxy",
+            f"triton-proxy, {p}, scenario classes (queues, priority, API keys)",
+            policy=p,
+            classes=True,
+        )
+        for p in CLASS_POLICIES
+    ]
+    return {p.name: p for p in plans}
+
+
+CATALOG: Mapping[str, ArmPlan] = _catalog()
+
+PRESETS: Mapping[str, tuple[str, ...]] = {
+    # About 10 minutes with benchmarks/mixed.yaml on 2 cores.
+    "default": (
+        "round_robin",
+        "rr_priority",
+        "haproxy_leastconn",
+        "proxy_least_requests",
+        "proxy_weighted_score",
+        "proxy_least_requests+classes",
+        "proxy_weighted_score+classes",
+    ),
+    "quick": ("round_robin", "rr_priority", "proxy_least_requests+classes"),
+    "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
+    "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),
+    "all": tuple(CATALOG),
+}
+
+
+def resolve_arms(spec: str) -> list[ArmPlan]:
+    """Arms named by a comma list of arm names and presets, in order, without repeats."""
+    names: list[str] = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        if item in PRESETS:
+            expanded: Sequence[str] = PRESETS[item]
+        elif item in CATALOG:
+            expanded = (item,)
+        else:
+            raise ValueError(
+                f"unknown arm {item!r}; presets: {', '.join(PRESETS)}; arms: {', '.join(CATALOG)}"
+            )
+        names += [n for n in expanded if n not in names]
+    if not names:
+        raise ValueError("no arms named")
+    return [CATALOG[n] for n in names]
+
+
+# -- proxy policy documents ----------------------------------------------------------------
+
+
+def scheduling_section(scenario: Scenario) -> dict[str, Any]:
+    """The policy's ``scheduling:`` section for the scenario's classes.
+
+    Rank follows the SLO (tightest first; classes without one last), ties broken by Triton
+    priority (1 first, 0 = unset last) and then file order. Each class keeps its Triton
+    priority and SLO; each class's ``api_key`` maps to it. Unknown callers get the least
+    important class, never the most.
+    """
+    names = list(scenario.class_names)
+
+    def order(name: str) -> tuple[float, int, int]:
+        spec = scenario.classes[name]
+        slo = spec.slo_p99_ms if spec.slo_p99_ms is not None else float("inf")
+        prio = spec.triton_priority if spec.triton_priority > 0 else sys.maxsize
+        return (slo, prio, names.index(name))
+
+    ranked = sorted(names, key=order)
+    classes: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
+    for rank, name in enumerate(ranked):
+        spec = scenario.classes[name]
+        entry: dict[str, Any] = {"rank": rank, "triton_priority": spec.triton_priority}
+        if spec.slo_p99_ms is not None:
+            entry["slo_p99_ms"] = spec.slo_p99_ms
+        classes[name] = entry
+        if spec.api_key:
+            if spec.api_key in keys:
+                raise ValueError(
+                    f"classes {keys[spec.api_key]['class_name']!r} and {name!r} share an api_key"
+                )
+            keys[spec.api_key] = {"class_name": name}
+    return {"default_class": ranked[-1], "classes": classes, "api_keys": keys}
+
+
+class Server(Protocol):
+    """What the bench needs of a Triton server (``proxy.local.TritonServer`` has it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def http_url(self) -> str: ...
+    @property
+    def metrics_url(self) -> str: ...
+
+
+def proxy_policy(
+    servers: Sequence[Server], plan: ArmPlan, scenario: Scenario | None
+) -> dict[str, Any]:
+    """The policy document of a proxy arm: HTTP only, free ports, the arm's routing/classes."""
+    if plan.kind != "proxy" or plan.policy is None:
+        raise ValueError(f"{plan.name} is not a proxy arm")
+    doc: dict[str, Any] = {
+        "instances": [
+            {"name": s.name, "http": s.http_url, "metrics": s.metrics_url} for s in servers
+        ],
+        "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
+        "routing": {"policy": {"name": plan.policy, "params": {}}},
+    }
+    if plan.classes:
+        if scenario is None:
+            raise ValueError(f"{plan.name} needs the scenario's classes")
+        doc["scheduling"] = scheduling_section(scenario)
+    return doc
+
+
+# -- starting a proxy ----------------------------------------------------------------------
+
+
+@dataclass
+class ProxyEndpoints:
+    http_url: str
+    metrics_url: str | None
+
+
+class ProxyStartError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> Callable[[], None]:
+    # Reused from the local launcher: a killed benchmark must not leave proxies behind.
+    from proxy.local.fleet import _die_with_parent as die
+
+    return die(os.getpid())
+
+
+def _banner_ports(text: str) -> tuple[int, int | None] | None:
+    http = metrics = None
+    for line in text.splitlines():
+        if "triton-proxy ready: HTTP localhost:" in line:
+            http = int(line.rsplit(":", 1)[1])
+        elif line.strip().startswith("metrics http://localhost:"):
+            metrics = int(line.strip().split(":")[2].split("/")[0])
+    if http is None:
+        return None
+    return http, metrics
+
+
+@contextlib.asynccontextmanager
+async def proxy_subprocess(
+    doc: Mapping[str, Any], workdir: Path, name: str, start_timeout_s: float = 30.0
+) -> AsyncIterator[ProxyEndpoints]:
+    """``triton-proxy serve`` on ``doc`` in a child process; yields its endpoints once ready."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    stem = name.replace("+", "_")
+    policy = workdir / f"{stem}.yaml"
+    policy.write_text(yaml.safe_dump(dict(doc), sort_keys=False))
+    log_path = workdir / f"{stem}.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--policy",
+            str(policy),
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=str(ROOT),
+            preexec_fn=_die_with_parent(),
+        )
+        try:
+            endpoints = await _wait_banner(proc, log_path, start_timeout_s)
+            await wait_ready(endpoints.http_url, start_timeout_s, proc=proc, log=log_path)
+            yield endpoints
+        finally:
+            await _stop(proc)
+
+
+async def _wait_banner(
+    proc: asyncio.subprocess.Process, log: Path, timeout_s: float
+) -> ProxyEndpoints:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log.read_text(errors="replace")
+        ports = _banner_ports(text)  # the banner is one flushed print: whole once seen
+        if ports is not None:
+            http, metrics = ports
+            return ProxyEndpoints(
+                f"http://127.0.0.1:{http}",
+                f"http://127.0.0.1:{metrics}/metrics" if metrics else None,
+            )
+        if proc.returncode is not None:
+            raise ProxyStartError(f"proxy exited with {proc.returncode} at start:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            raise ProxyStartError(f"proxy did not start in {timeout_s}s:\n{_tail(log)}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_ready(
+    base_url: str,
+    timeout_s: float,
+    *,
+    proc: asyncio.subprocess.Process | None = None,
+    log: Path | None = None,
+) -> None:
+    """Until ``/v2/health/ready`` answers 200 (the proxy has a healthy instance)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(base_url + "/v2/health/ready") as resp:
+                    if resp.status == 200:
+                        return
+            if proc is not None and proc.returncode is not None:
+                tail = _tail(log) if log else ""
+                raise ProxyStartError(f"proxy exited with {proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise ProxyStartError(f"{base_url} not ready after {timeout_s}s")
+            await asyncio.sleep(0.1)
+
+
+async def _stop(proc: asyncio.subprocess.Process, timeout_s: float = 15.0) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+@contextlib.asynccontextmanager
+async def proxy_inprocess(
+    doc: Mapping[str, Any], start_timeout_s: float = 30.0
+) -> AsyncIterator[ProxyEndpoints]:
+    """A :class:`~proxy.app.ProxyServer` in this event loop (shares it with the generator)."""
+    from proxy import config as config_mod
+    from proxy.app import ProxyServer
+
+    server = ProxyServer(config_mod.parse(dict(doc), "<bench>"))
+    ports = await server.start()
+    try:
+        url = f"http://127.0.0.1:{ports.http}"
+        metrics = f"http://127.0.0.1:{ports.metrics}/metrics" if ports.metrics else None
+        await wait_ready(url, start_timeout_s)
+        yield ProxyEndpoints(url, metrics)
+    finally:
+        await server.stop()
+
+
+# -- load probes ---------------------------------------------------------------------------
+
+
+class MergedProbe:
+    """Several probes sampled together; each one's names get its suffix."""
+
+    def __init__(self, parts: Sequence[tuple[LoadProbe, str]]) -> None:
+        self.parts = list(parts)
+
+    async def sample(self) -> Mapping[str, float]:
+        samples = await asyncio.gather(*(p.sample() for p, _ in self.parts))
+        out: dict[str, float] = {}
+        for (_, suffix), sample in zip(self.parts, samples, strict=True):
+            out.update({f"{k}{suffix}": v for k, v in sample.items()})
+        return out
+
+    async def aclose(self) -> None:
+        for p, _ in self.parts:
+            await p.aclose()
+
+
+TRITON_PENDING = "nv_inference_pending_request_count"
+PROXY_IN_FLIGHT = "triton_proxy_instance_in_flight"
+
+
+def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGaugeProbe:
+    """Requests queued in each Triton server for ``model`` (any arm)."""
+    return PrometheusGaugeProbe(
+        {s.name: s.metrics_url for s in servers}, TRITON_PENDING, {"model": model}
+    )
+
+
+def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints) -> LoadProbe:
+    """Triton's queued requests plus the proxy's own in-flight count per instance."""
+    pending = triton_pending_probe(servers, model)
+    if endpoints.metrics_url is None:
+        return pending
+    in_flight = PrometheusGaugeProbe(
+        {"proxy": endpoints.metrics_url}, PROXY_IN_FLIGHT, split_label="instance"
+    )
+    return MergedProbe([(pending, " queued"), (in_flight, " proxy in flight")])
+
+
+# -- ArmSpecs ------------------------------------------------------------------------------
+
+
+def build_arm(
+    plan: ArmPlan,
+    servers: Sequence[Server],
+    scenario: Scenario | None,
+    *,
+    model: ModelSpec,
+    workdir: Path,
+    mode: ProxyMode = "subprocess",
+    name: str | None = None,
+) -> ArmSpec:
+    """An :class:`ArmSpec` for ``plan`` over ``servers``; nothing starts until it is opened."""
+    arm_name = name or plan.name
+    urls = [s.http_url for s in servers]
+    names = [s.name for s in servers]
+    if plan.kind == "direct":
+        return ArmSpec.direct(
+            arm_name,
+            urls,
+            priority=plan.priority,
+            instance_names=names,
+            description=plan.description,
+        )
+    if plan.kind == "haproxy":
+        assert plan.balance is not None
+        backends = [Backend(s.name, s.http_url) for s in servers]
+        balance = plan.balance
+
+        def start_haproxy() -> contextlib.AbstractAsyncContextManager[str]:
+            return run_haproxy(backends, balance, workdir=workdir / "haproxy")
+
+        return ArmSpec.started(arm_name, start_haproxy, description=plan.description)
+    doc = proxy_policy(servers, plan, scenario)
+    current: dict[str, ProxyEndpoints] = {}
+
+    @contextlib.asynccontextmanager
+    async def start_proxy() -> AsyncIterator[str]:
+        ctx = (
+            proxy_subprocess(doc, workdir / "proxy", arm_name)
+            if mode == "subprocess"
+            else proxy_inprocess(doc)
+        )
+        async with ctx as endpoints:
+            current["endpoints"] = endpoints
+            try:
+                yield endpoints.http_url
+            finally:
+                current.pop("endpoints", None)
+
+    def probe() -> LoadProbe:
+        endpoints = current.get("endpoints")
+        if endpoints is None:
+            return triton_pending_probe(servers, model.name)
+        return proxy_probe(servers, model.name, endpoints)
+
+    return ArmSpec.started(
+        arm_name,
+        start_proxy,
+        description=f"{plan.description} ({mode})",
+        probe=probe,
+    )
