@@ -41,6 +41,7 @@ from proxy.bench.arms import (
     triton_pending_probe,
 )
 from proxy.bench.compare import ACCEL_SIM_NOTE, ArmSpec, run_comparison
+from proxy.bench.cpu import CpuMeter
 from proxy.bench.fleet import bench_repository
 from proxy.bench.overhead import OverheadReport, measure_overhead
 from proxy.bench.report import render_table, write_all
@@ -347,7 +348,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ):
         servers = fleet.servers
         print("bench: servers " + ", ".join(f"{s.name} {s.http_url}" for s in servers), flush=True)
-        _run_async(_bench(args, scenario, plans, servers, out, rates, env))
+        meter = CpuMeter(lambda: set(fleet.started_pgids))
+        _run_async(_bench(args, scenario, plans, servers, out, rates, meter))
     env["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     env["load_average_end"] = list(os.getloadavg())
     (out / "run.json").write_text(json.dumps(env, indent=1) + "\n")
@@ -362,7 +364,7 @@ async def _bench(
     servers: Sequence[Server],
     out: Path,
     rates: Sequence[float],
-    env: dict[str, Any],
+    meter: CpuMeter,
 ) -> None:
     work = out / "work"
     show = not args.quiet
@@ -376,11 +378,12 @@ async def _bench(
         reports: list[tuple[float, Report]] = []
         note = device_note(scenario)
         for scale in args.scale:
+            meter.runs.clear()
             sc = scenario.scaled(scale) if scale != 1.0 else scenario
             print(f"\nbench: load factor {scale:g}", flush=True)
             report = await run_comparison(
                 sc,
-                arms,
+                [meter.wrap(a) for a in arms],
                 baseline=baseline_name(plans),
                 probe=lambda: triton_pending_probe(servers, scenario.model.name),
                 show_progress=show,
@@ -389,7 +392,9 @@ async def _bench(
             reports.append((scale, report))
             folder = scale_dir(out, scale, args.scale)
             write_all(report, folder, plots=not args.no_plots)
-            print(render_table(report), flush=True)
+            (folder / "cpu.txt").write_text(meter.render() + "\n")
+            (folder / "cpu.json").write_text(json.dumps(meter.to_dict(), indent=1) + "\n")
+            print(render_table(report) + "\n\n" + meter.render(), flush=True)
         if len(reports) > 1:
             summary = sweep_summary(reports)
             (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -415,3 +415,50 @@ def test_model_spec_round_trips_parameters():
     spec = ModelSpec(parameters=MappingProxyType({"base_ms": 5.0}), extra_inputs=("B",))
     d = spec.to_dict()
     assert d["parameters"] == {"base_ms": 5.0} and d["extra_inputs"] == ["B"]
+
+
+# -- CPU accounting ------------------------------------------------------------------------
+
+
+def test_parse_stat_survives_odd_process_names():
+    from proxy.bench.cpu import _TICK, parse_stat
+
+    fields = ["S", "7", "9", "9", "0", "-1", "0", "0", "0", "0", "0", "250", "50"]
+    st = parse_stat("123 (a) (b c) " + " ".join(fields) + " 20 0 1 0")
+    assert (st.pid, st.ppid, st.pgrp) == (123, 7, 9)
+    assert st.cpu_s == pytest.approx(300 / _TICK)
+
+
+def test_attribute_and_cpu_use():
+    from proxy.bench.cpu import ProcStat, attribute, cpu_use
+
+    procs = [
+        ProcStat(10, 1, 10, 2.0),  # the generator
+        ProcStat(11, 10, 11, 1.0),  # its child: the arm's process
+        ProcStat(20, 10, 20, 3.0),  # a Triton server (own group) and its stub
+        ProcStat(21, 20, 20, 4.0),
+        ProcStat(30, 1, 30, 9.0),  # someone else
+    ]
+    assert attribute(procs, 10, {20}) == {"generator": 2.0, "arm": 1.0, "triton": 7.0}
+    use = cpu_use(
+        "x",
+        (0.0, 100.0, {"generator": 1.0, "arm": 0.0, "triton": 2.0}),
+        (10.0, 115.0, {"generator": 3.0, "arm": 1.0, "triton": 9.0}),
+    )
+    assert use.cores == {"generator": 0.2, "arm": 0.1, "triton": 0.7, "other": pytest.approx(0.5)}
+    assert use.machine_cores == 1.5
+
+
+async def test_cpu_meter_wraps_an_arm():
+    from proxy.bench.compare import ArmSpec
+    from proxy.bench.cpu import CpuMeter
+
+    meter = CpuMeter(lambda: set())
+    arm = meter.wrap(ArmSpec.direct("d", ["http://127.0.0.1:1"]))
+    assert arm.name == "d"
+    for _ in range(2):
+        async with arm.open() as spec:
+            assert spec.urls == ("http://127.0.0.1:1",)
+    assert [r.arm for r in meter.runs] == ["d", "d"]
+    assert set(meter.summary()["d"]) == {"generator", "arm", "triton", "other", "machine"}
+    assert "d" in meter.render()
