@@ -505,8 +505,11 @@ async def _stream(ctx: Ctx, requests: list[dict[str, Any]], responses: int) -> l
             for request in requests:
                 ctx.client.async_stream_infer(**request, enable_empty_final_response=True)
             got = [events.get(timeout=TIMEOUT_S) for _ in range(responses)]
-        finally:
-            ctx.client.stop_stream()  # returns once the stream has ended
+        except BaseException:
+            # Without cancelling, stop_stream waits for a stream the server never ends.
+            ctx.client.stop_stream(cancel_requests=True)
+            raise
+        ctx.client.stop_stream()  # returns once the stream has ended
         while not events.empty():
             got.append(events.get())  # anything more than expected is compared too
     # Responses of different requests interleave as the model produces them: keep each
