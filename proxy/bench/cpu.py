@@ -30,6 +30,8 @@ from proxy.bench.compare import ArmSpec
 from proxy.bench.runner import TargetSpec
 
 GROUPS = ("generator", "arm", "triton", "other")
+BUSY_OTHER_CORES = 0.25
+"""More than this much CPU used by unrelated work flags the arm's run as contended."""
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -169,9 +171,19 @@ class CpuMeter:
             f"CPU during each arm's run, cores (median over runs; machine has {os.cpu_count()})",
             f"{'arm':<{w}} " + " ".join(f"{g:>10}" for g in (*GROUPS, "machine")),
         ]
+        busy = []
         for arm, row in summary.items():
+            flag = ""
+            if row["other"] > BUSY_OTHER_CORES:
+                flag = "  *"
+                busy.append(arm)
             lines.append(
-                f"{arm:<{w}} " + " ".join(f"{row[g]:>10.2f}" for g in (*GROUPS, "machine"))
+                f"{arm:<{w}} " + " ".join(f"{row[g]:>10.2f}" for g in (*GROUPS, "machine")) + flag
+            )
+        if busy:
+            lines.append(
+                f"* other work used more than {BUSY_OTHER_CORES:g} cores during this arm: its "
+                "latencies include CPU contention that has nothing to do with the arm"
             )
         return "\n".join(lines)
 
