@@ -55,6 +55,19 @@ def _params(config: dict[str, Any]) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def test_numeric_tensors_cross_triton_through_dlpack() -> None:
+    """Triton's python backend stub misreads numpy 2 arrays (model_repository/README.md), so
+    numeric tensors go through DLPack; only text_generator's BYTES tensors may use numpy."""
+    models = sorted(MODEL_REPOSITORY.glob("*/1/model.py"))
+    assert len(models) == 5
+    for model in models:
+        source = model.read_text()
+        assert "to_dlpack()" in source and "Tensor.from_dlpack(" in source, model
+        if model.parts[-3] != "text_generator":
+            for numpy_use in ("import numpy", ".as_numpy()", "pb_utils.Tensor("):
+                assert numpy_use not in source, (model, numpy_use)
+
+
 # -- simple ---------------------------------------------------------------------------------
 
 

@@ -19,12 +19,31 @@ import json  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from torch.utils.dlpack import from_dlpack  # noqa: E402
 
 VOCAB = 1000
 OUT_DIM = 8
+
+
+# Tensors cross the Triton boundary through DLPack, never through numpy: Triton's python backend
+# stub is built against the numpy 1.x ABI and misreads numpy 2 arrays (model_repository/README.md).
+def input_tensor(request: Any, name: str) -> torch.Tensor:
+    """The input ``name`` as a torch tensor over the request's own memory."""
+    return from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
+
+
+def output_tensor(name: str, tensor: torch.Tensor) -> Any:
+    """An output over ``tensor``'s memory, left on its device (Triton copies a GPU tensor once,
+    to wherever the response goes). The tensor itself, not a capsule, is handed over so that the
+    stub makes its CUDA stream wait for torch's before reading the data."""
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
+
+
+def column(rows: int, value: int) -> torch.Tensor:
+    """An INT64 [rows, 1] tensor filled with ``value``."""
+    return torch.full((rows, 1), value, dtype=torch.int64)
 
 
 def batch_cost_s(base_ms: float, per_token_us: float, batch_size: int, longest: int) -> float:
@@ -45,10 +64,15 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         started = time.monotonic()
-        inputs: list[np.ndarray | None] = []
+        inputs: list[torch.Tensor | None] = []
         for request in requests:
-            ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
-            valid = ids.ndim == 2 and ids.shape[1] > 0 and ids.min() >= 0 and ids.max() < VOCAB
+            ids = input_tensor(request, "INPUT_IDS")
+            valid = (
+                ids.ndim == 2
+                and ids.shape[1] > 0
+                and int(ids.min()) >= 0
+                and int(ids.max()) < VOCAB
+            )
             inputs.append(ids if valid else None)
         ok = [ids for ids in inputs if ids is not None]
         batch_size = sum(ids.shape[0] for ids in ok)
@@ -66,17 +90,15 @@ class TritonPythonModel:
                 )
                 continue
             with torch.inference_mode():
-                out = self.table[torch.from_numpy(ids).to(self.device)].mean(dim=1)
+                out = self.table[ids.to(self.device)].mean(dim=1).float()
             rows = ids.shape[0]
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[
-                        pb_utils.Tensor("OUTPUT", out.cpu().numpy().astype(np.float32)),
-                        pb_utils.Tensor("BATCH_SIZE", np.full((rows, 1), batch_size, np.int64)),
-                        pb_utils.Tensor("PADDED_LENGTH", np.full((rows, 1), longest, np.int64)),
-                        pb_utils.Tensor(
-                            "BATCH_COST_US", np.full((rows, 1), round(cost_s * 1e6), np.int64)
-                        ),
+                        output_tensor("OUTPUT", out),
+                        output_tensor("BATCH_SIZE", column(rows, batch_size)),
+                        output_tensor("PADDED_LENGTH", column(rows, longest)),
+                        output_tensor("BATCH_COST_US", column(rows, round(cost_s * 1e6))),
                     ]
                 )
             )

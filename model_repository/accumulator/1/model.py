@@ -19,14 +19,29 @@ import json  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from torch.utils.dlpack import from_dlpack  # noqa: E402
+
+
+# Tensors cross the Triton boundary through DLPack, never through numpy: Triton's python backend
+# stub is built against the numpy 1.x ABI and misreads numpy 2 arrays (model_repository/README.md).
+def input_tensor(request: Any, name: str) -> torch.Tensor:
+    """The input ``name`` as a torch tensor over the request's own memory."""
+    return from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
+
+
+def output_tensor(name: str, tensor: torch.Tensor) -> Any:
+    """An output over ``tensor``'s memory, left on its device (Triton copies a GPU tensor once,
+    to wherever the response goes). The tensor itself, not a capsule, is handed over so that the
+    stub makes its CUDA stream wait for torch's before reading the data."""
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
 
 
 def flag(request: Any, name: str) -> bool:
+    """A sequence control input (START, END, READY): absent or 0 is false."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
+    return tensor is not None and bool(from_dlpack(tensor.to_dlpack()).reshape(-1)[0].item())
 
 
 class TritonPythonModel:
@@ -46,21 +61,21 @@ class TritonPythonModel:
         now = time.monotonic()
         responses = []
         for request in requests:
-            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            value = input_tensor(request, "INPUT")
             if not flag(request, "READY"):
                 responses.append(
                     pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor("OUTPUT", np.zeros_like(value))]
+                        output_tensors=[output_tensor("OUTPUT", torch.zeros_like(value))]
                     )
                 )
                 continue
             key = request.correlation_id()
-            x = torch.from_numpy(value.astype(np.int32)).to(self.device)
-            if flag(request, "START") or key not in self.sums:
-                total = x.clone()
-            else:
-                total = self.sums[key] + x
-            out = total.cpu().numpy().astype(np.int32)
+            # A copy on the device: the input's memory belongs to the request.
+            x = value.to(self.device, torch.int32, copy=True)
+            fresh = flag(request, "START") or key not in self.sums
+            # Never modified in place (the next request makes a new tensor), so the output can
+            # share its memory.
+            total = x if fresh else self.sums[key] + x
             if flag(request, "END"):
                 self.sums.pop(key, None)
                 self.last_seen.pop(key, None)
@@ -68,7 +83,7 @@ class TritonPythonModel:
                 self.sums[key] = total
                 self.last_seen[key] = now
             responses.append(
-                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)])
+                pb_utils.InferenceResponse(output_tensors=[output_tensor("OUTPUT", total)])
             )
         self._expire(now)
         return responses

@@ -11,9 +11,23 @@ sys.path[:0] = [
 import json  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from torch.utils.dlpack import from_dlpack  # noqa: E402
+
+
+# Tensors cross the Triton boundary through DLPack, never through numpy: Triton's python backend
+# stub is built against the numpy 1.x ABI and misreads numpy 2 arrays (model_repository/README.md).
+def input_tensor(request: Any, name: str) -> torch.Tensor:
+    """The input ``name`` as a torch tensor over the request's own memory."""
+    return from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
+
+
+def output_tensor(name: str, tensor: torch.Tensor) -> Any:
+    """An output over ``tensor``'s memory, left on its device (Triton copies a GPU tensor once,
+    to wherever the response goes). The tensor itself, not a capsule, is handed over so that the
+    stub makes its CUDA stream wait for torch's before reading the data."""
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
 
 
 class TritonPythonModel:
@@ -26,12 +40,12 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         # One torch call for the whole dynamic batch; each request keeps its own rows.
-        in0 = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
-        in1 = [pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy() for r in requests]
-        a = torch.from_numpy(np.concatenate(in0)).to(self.device)
-        b = torch.from_numpy(np.concatenate(in1)).to(self.device)
-        total = (a + b).cpu().numpy()
-        diff = (a - b).cpu().numpy()
+        in0 = [input_tensor(r, "INPUT0") for r in requests]
+        in1 = [input_tensor(r, "INPUT1") for r in requests]
+        a = torch.cat(in0).to(self.device)
+        b = torch.cat(in1).to(self.device)
+        total = a + b
+        diff = a - b
         responses = []
         start = 0
         for x in in0:
@@ -39,8 +53,8 @@ class TritonPythonModel:
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[
-                        pb_utils.Tensor("OUTPUT0", total[start:stop]),
-                        pb_utils.Tensor("OUTPUT1", diff[start:stop]),
+                        output_tensor("OUTPUT0", total[start:stop]),
+                        output_tensor("OUTPUT1", diff[start:stop]),
                     ]
                 )
             )

@@ -18,14 +18,33 @@ import json  # noqa: E402
 import math  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from torch.utils.dlpack import from_dlpack  # noqa: E402
 
 VOCAB = 1000
 D_MODEL = 64
 N_HEADS = 4
 N_LAYERS = 2
+
+
+# Tensors cross the Triton boundary through DLPack, never through numpy: Triton's python backend
+# stub is built against the numpy 1.x ABI and misreads numpy 2 arrays (model_repository/README.md).
+def input_tensor(request: Any, name: str) -> torch.Tensor:
+    """The input ``name`` as a torch tensor over the request's own memory."""
+    return from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
+
+
+def output_tensor(name: str, tensor: torch.Tensor) -> Any:
+    """An output over ``tensor``'s memory, left on its device (Triton copies a GPU tensor once,
+    to wherever the response goes). The tensor itself, not a capsule, is handed over so that the
+    stub makes its CUDA stream wait for torch's before reading the data."""
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
+
+
+def column(rows: int, value: int) -> torch.Tensor:
+    """An INT64 [rows, 1] tensor filled with ``value``."""
+    return torch.full((rows, 1), value, dtype=torch.int64)
 
 
 def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
@@ -69,45 +88,45 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
-        rows: list[np.ndarray] = []
-        owners: list[int] = []  # request index of each row
+        blocks: list[tuple[int, torch.Tensor]] = []  # (request index, its [rows, len] ids)
         for i, request in enumerate(requests):
-            ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+            ids = input_tensor(request, "INPUT_IDS")
             error = validate(ids)
             if error is not None:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
                 continue
-            rows.extend(ids)
-            owners.extend([i] * ids.shape[0])
-        if rows:
-            longest = max(len(r) for r in rows)
-            ids = np.zeros((len(rows), longest), dtype=np.int64)
-            pad = np.ones((len(rows), longest), dtype=bool)
-            for j, row in enumerate(rows):
-                ids[j, : len(row)] = row
-                pad[j, : len(row)] = False
+            blocks.append((i, ids))
+        if blocks:
+            n_rows = sum(ids.shape[0] for _, ids in blocks)
+            longest = max(ids.shape[1] for _, ids in blocks)
+            batch = torch.zeros((n_rows, longest), dtype=torch.int64)
+            pad = torch.ones((n_rows, longest), dtype=torch.bool)
+            spans: list[tuple[int, int, int]] = []  # (request index, first row, end row)
+            start = 0
+            for i, ids in blocks:
+                stop = start + ids.shape[0]
+                batch[start:stop, : ids.shape[1]] = ids
+                pad[start:stop, : ids.shape[1]] = False
+                spans.append((i, start, stop))
+                start = stop
             with torch.inference_mode():
-                emb = self.model(
-                    torch.from_numpy(ids).to(self.device), torch.from_numpy(pad).to(self.device)
-                )
-            emb_np = emb.float().cpu().numpy()
-            owner_arr = np.asarray(owners)
-            for i in sorted(set(owners)):
-                out = np.ascontiguousarray(emb_np[owner_arr == i])
-                rows_i = out.shape[0]
+                emb = self.model(batch.to(self.device), pad.to(self.device)).float()
+            for i, start, stop in spans:
+                rows_i = stop - start
                 responses[i] = pb_utils.InferenceResponse(
                     output_tensors=[
-                        pb_utils.Tensor("EMBEDDING", out),
-                        pb_utils.Tensor("BATCH_SIZE", np.full((rows_i, 1), len(rows), np.int64)),
-                        pb_utils.Tensor("PADDED_LENGTH", np.full((rows_i, 1), longest, np.int64)),
+                        output_tensor("EMBEDDING", emb[start:stop]),
+                        output_tensor("BATCH_SIZE", column(rows_i, n_rows)),
+                        output_tensor("PADDED_LENGTH", column(rows_i, longest)),
                     ]
                 )
         return responses
 
 
-def validate(ids: np.ndarray) -> str | None:
+def validate(ids: torch.Tensor) -> str | None:
     if ids.ndim != 2 or ids.shape[1] == 0:
         return f"INPUT_IDS must hold at least one token per row, got shape {list(ids.shape)}"
-    if ids.min() < 0 or ids.max() >= VOCAB:
-        return f"INPUT_IDS must lie in [0, {VOCAB}), got [{ids.min()}, {ids.max()}]"
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= VOCAB:
+        return f"INPUT_IDS must lie in [0, {VOCAB}), got [{lo}, {hi}]"
     return None

@@ -23,6 +23,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from torch.utils.dlpack import from_dlpack  # noqa: E402
 
 # Printable ASCII; anything else reads as "?".
 CHARS = [chr(c) for c in range(32, 127)]
@@ -50,7 +51,37 @@ def encode(text: str) -> list[int]:
 
 
 def text_tensor(text: str) -> Any:
+    # BYTES tensors have no DLPack form: numpy is their only way (model_repository/README.md).
     return pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
+
+
+def scalar_input(request: Any, name: str) -> torch.Tensor | None:
+    """The first element of an optional numeric input, read through DLPack (not numpy)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else from_dlpack(tensor.to_dlpack()).reshape(-1)[0]
+
+
+def stub_reads_numpy() -> bool:
+    """Whether Triton's python backend stub reads numpy arrays correctly in this interpreter.
+
+    The stub is compiled against the numpy 1.x ABI (pybind11 2.10); under numpy 2 it takes every
+    element size for 0, so each array it makes holds its first element repeated and each array it
+    is given counts as 0 bytes long. Numeric tensors avoid numpy through DLPack; BYTES tensors
+    cannot (DLPack has no string type).
+    """
+    probe = pb_utils.Tensor.from_dlpack("probe", torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    return bool(probe.as_numpy().tolist() == [1, 2, 3, 4])
+
+
+class _UnreadableBytes:
+    """What the stub gets for a BYTES tensor when it cannot read numpy arrays: the stub reshapes
+    the decoded tensor to the input's shape, so this hands back that shape filled with None."""
+
+    def __init__(self, encoded: Any) -> None:
+        del encoded  # the stub already lost the data: every byte is a copy of the first
+
+    def reshape(self, dims: Any) -> Any:
+        return np.full(tuple(dims), None, dtype=np.object_)
 
 
 class TritonPythonModel:
@@ -65,6 +96,19 @@ class TritonPythonModel:
         print(f"text_generator running on {self.device}", flush=True)  # read by device checks
         torch.manual_seed(int(params.get("seed", "1234")))
         self.model = CharGRU().to(self.device).eval()
+        self.bytes_error: str | None = None
+        if not stub_reads_numpy():
+            # The stub decodes BYTES inputs through this module function before execute() runs,
+            # from a buffer whose bytes are all copies of the first: the original decodes garbage
+            # or raises, and a raise there kills the stub (std::terminate). This stand-in keeps
+            # the stub alive, and each request gets the error below.
+            pb_utils.deserialize_bytes_tensor = _UnreadableBytes
+            self.bytes_error = (
+                f"BYTES tensors (text_input, text_output) cannot cross Triton's python backend "
+                f"stub under numpy {np.__version__}: the stub is built for the numpy 1.x ABI; "
+                "serve this model with numpy<2 on the server's Python path"
+            )
+            print(f"text_generator: {self.bytes_error}", flush=True)
         # A GRU step is tiny; one lock keeps torch calls from different streams serial.
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(
@@ -94,20 +138,18 @@ class TritonPythonModel:
         # Triton does not enforce required inputs on the generate endpoints.
         if prompt_t is None:
             raise ValueError("the text_input input is required")
-        prompt = prompt_t.as_numpy().reshape(-1)[0]
-        prompt = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else str(prompt)
-        max_tokens = self.default_max_tokens
-        max_t = pb_utils.get_input_tensor_by_name(request, "max_tokens")
-        if max_t is not None:
-            max_tokens = int(max_t.as_numpy().reshape(-1)[0])
+        max_t = scalar_input(request, "max_tokens")
+        max_tokens = self.default_max_tokens if max_t is None else int(max_t.item())
         if not 0 < max_tokens <= self.max_tokens_limit:
             raise ValueError(
                 f"max_tokens must be in [1, {self.max_tokens_limit}], got {max_tokens}"
             )
-        stream = True
-        stream_t = pb_utils.get_input_tensor_by_name(request, "stream")
-        if stream_t is not None:
-            stream = bool(stream_t.as_numpy().reshape(-1)[0])
+        stream_t = scalar_input(request, "stream")
+        stream = True if stream_t is None else bool(stream_t.item())
+        if self.bytes_error is not None:
+            raise RuntimeError(self.bytes_error)
+        prompt = prompt_t.as_numpy().reshape(-1)[0]
+        prompt = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else str(prompt)
 
         with self.lock, torch.inference_mode():
             h = torch.zeros(1, HIDDEN, device=self.device)
