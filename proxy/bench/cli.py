@@ -239,6 +239,8 @@ def plot_sweep(summary: dict[str, Any], path: Path) -> Path:
     from proxy.bench.report import _pyplot
 
     plt = _pyplot()
+    from matplotlib import ticker
+
     points = summary["points"]
     classes = list(dict.fromkeys(p["class"] for p in points))
     arms = list(dict.fromkeys(p["arm"] for p in points))
@@ -258,6 +260,8 @@ def plot_sweep(summary: dict[str, Any], path: Path) -> Path:
         if slo is not None:
             ax.axhline(slo, color="red", linestyle=":", linewidth=1, label="SLO")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title(f"{cls}: P99 vs load factor")
         ax.set_xlabel("load factor (x scenario rates)")
         ax.set_ylabel("P99 ms (from scheduled send)")
