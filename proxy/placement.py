@@ -1,4 +1,7 @@
-"""Turns the fleet's state into routing candidates and asks the router for one."""
+"""Turns the fleet's state into routing candidates and asks the router for one.
+
+Feedback weights and staleness are applied by the router (``proxy.routing.engine``).
+"""
 
 from __future__ import annotations
 
@@ -12,16 +15,10 @@ from proxy.routing.base import Candidate, RouteRequest
 Chooser = Callable[[Sequence[Candidate], RouteRequest], Candidate]
 SnapshotSource = Callable[[str], tuple[InstanceSnapshot | None, bool]]
 """instance name -> (last snapshot or None, stale?)"""
-WeightSource = Callable[[str, str], float]
-"""(instance, model) -> selection weight from instance feedback"""
 
 
 def _no_snapshot(name: str) -> tuple[InstanceSnapshot | None, bool]:
     return None, False
-
-
-def _unit_weight(name: str, model: str) -> float:
-    return 1.0
 
 
 class FleetPlacement:
@@ -31,13 +28,11 @@ class FleetPlacement:
         upstreams: HttpUpstreams,
         chooser: Chooser,
         snapshots: SnapshotSource = _no_snapshot,
-        weights: WeightSource = _unit_weight,
     ) -> None:
         self.fleet = fleet
         self.upstreams = upstreams
         self.chooser = chooser
         self.snapshots = snapshots
-        self.weights = weights
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
         out = []
@@ -53,7 +48,6 @@ class FleetPlacement:
                     connections=self.upstreams.open_connections(inst) + inst.streams,
                     snapshot=snap,
                     stale=stale,
-                    weight=self.weights(inst.name, model),
                 )
             )
         return out
