@@ -13,12 +13,12 @@ from proxy.fleet.upstream import HttpUpstreams
 from proxy.routing.base import Candidate, RouteRequest
 
 Chooser = Callable[[Sequence[Candidate], RouteRequest], Candidate]
-SnapshotSource = Callable[[str], tuple[InstanceSnapshot | None, bool]]
-"""instance name -> (last snapshot or None, stale?)"""
+SnapshotSource = Callable[[str], InstanceSnapshot | None]
+"""instance name -> its last scraped snapshot, or None"""
 
 
-def _no_snapshot(name: str) -> tuple[InstanceSnapshot | None, bool]:
-    return None, False
+def _no_snapshot(name: str) -> InstanceSnapshot | None:
+    return None
 
 
 class FleetPlacement:
@@ -39,15 +39,14 @@ class FleetPlacement:
         for inst in self.fleet.healthy():
             if inst.name in exclude:
                 continue
-            snap, stale = self.snapshots(inst.name)
             out.append(
                 Candidate(
                     name=inst.name,
                     in_flight=inst.in_flight,
                     model_in_flight=inst.model_in_flight.get(model, 0),
                     connections=self.upstreams.open_connections(inst) + inst.streams,
-                    snapshot=snap,
-                    stale=stale,
+                    snapshot=self.snapshots(inst.name),
+                    stale=False,  # judged by the router from the snapshot's age
                 )
             )
         return out

@@ -21,7 +21,6 @@ from proxy.fleet.grpc_upstream import GrpcUpstreams
 from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.scraper import Scraper
-from proxy.fleet.snapshot import InstanceSnapshot
 from proxy.fleet.upstream import HttpUpstreams
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
@@ -86,7 +85,9 @@ class Runtime:
             timeout_s=scrape.timeout_s,
         )
         self.router = Router(config.routing, clock, rng)
-        self.placement = FleetPlacement(self.fleet, self.upstreams, self._choose, self._snapshot)
+        self.placement = FleetPlacement(
+            self.fleet, self.upstreams, self._choose, self.scraper.snapshot
+        )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
             observers.append(gate_observer)
@@ -117,10 +118,6 @@ class Runtime:
         self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
         self.telemetry.decision_time.labels(name).observe(elapsed)
         return chosen
-
-    def _snapshot(self, instance: str) -> tuple[InstanceSnapshot | None, bool]:
-        # Staleness is judged by the router from the snapshot's time.
-        return self.scraper.snapshot(instance), False
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
