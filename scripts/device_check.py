@@ -25,19 +25,24 @@ from proxy.local import LocalFleet  # noqa: E402
 MODELS = ("simple", "text_encoder", "accel_sim", "accumulator", "text_generator")
 IDS = list(range(1, 65))
 REQUESTS = {
-    "simple": {"inputs": [
-        {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
-        {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [3] * 16}]},
-    "text_encoder": {"inputs": [
-        {"name": "INPUT_IDS", "shape": [1, 64], "datatype": "INT64", "data": IDS}],
-        "outputs": [{"name": "EMBEDDING"}]},
-    "accel_sim": {"inputs": [
-        {"name": "INPUT_IDS", "shape": [1, 64], "datatype": "INT64", "data": IDS}],
-        "outputs": [{"name": "OUTPUT"}]},
-    "accumulator": {"inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32",
-                                "data": [5]}],
-                    "parameters": {"sequence_id": 7, "sequence_start": True,
-                                   "sequence_end": True}},
+    "simple": {
+        "inputs": [
+            {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
+            {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [3] * 16},
+        ]
+    },
+    "text_encoder": {
+        "inputs": [{"name": "INPUT_IDS", "shape": [1, 64], "datatype": "INT64", "data": IDS}],
+        "outputs": [{"name": "EMBEDDING"}],
+    },
+    "accel_sim": {
+        "inputs": [{"name": "INPUT_IDS", "shape": [1, 64], "datatype": "INT64", "data": IDS}],
+        "outputs": [{"name": "OUTPUT"}],
+    },
+    "accumulator": {
+        "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [5]}],
+        "parameters": {"sequence_id": 7, "sequence_start": True, "sequence_end": True},
+    },
 }
 
 
@@ -58,8 +63,11 @@ def outputs(url: str) -> dict[str, object]:
             out[model] = answer
             continue
         out[model] = {o["name"]: o["data"] for o in answer["outputs"]}  # type: ignore[index,union-attr]
-    gen = post(url, "/v2/models/text_generator/generate",
-               {"text_input": "hello", "max_tokens": 8, "stream": False})
+    gen = post(
+        url,
+        "/v2/models/text_generator/generate",
+        {"text_input": "hello", "max_tokens": 8, "stream": False},
+    )
     out["text_generator"] = gen.get("text_output", gen)
     return out
 
