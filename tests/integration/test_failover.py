@@ -91,8 +91,10 @@ def test_kill_under_load_then_rejoin(triton_fleet: Any) -> None:
         # excluded): wait for a fresh scrape so the idle instance competes on equal terms.
         runtime = proxy.runtime
         assert _wait_for(
-            lambda: (snap := runtime.scraper.snapshot(name)) is not None
-            and runtime.clock.now() - snap.taken_at < 1.0,
+            lambda: (
+                (snap := runtime.scraper.snapshot(name)) is not None
+                and runtime.clock.now() - snap.taken_at < 1.0
+            ),
             30,
         ), "victim's metrics never fresh again"
         before = fleet.get(name).in_flight
