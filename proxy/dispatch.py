@@ -95,16 +95,24 @@ class Dispatcher:
         instance_name = "-"
         result_label = "error"
         try:
-            if self.admission is None:
+            seq = call.params.sequence_id
+            info = None
+            if self.admission is not None or isinstance(seq, str):
+                info = await self.catalog.info(call.model)
+            if info is not None and seq is not None:
+                problem = info.sequence_id_problem(seq)
+                if problem is not None:
+                    raise ProxyError(
+                        Code.INVALID_ARG,
+                        f"inference request for sequence {seq!r} to model '{call.model}' "
+                        f"refused by triton-proxy: {problem}",
+                    )
+            if self.admission is None or info is None:
+                # Without classes, or for a model no ready instance knows (Triton answers).
                 instance, result = await self._send(call, None, send, stream)
             else:
-                info = await self.catalog.info(call.model)
-                if info is None:
-                    # Unknown to every ready instance: let Triton give its own answer.
-                    instance, result = await self._send(call, None, send, stream)
-                else:
-                    async with self.admission.admit(call.model, info, klass) as priority:
-                        instance, result = await self._send(call, priority, send, stream)
+                async with self.admission.admit(call.model, info, klass) as priority:
+                    instance, result = await self._send(call, priority, send, stream)
             instance_name = instance.name
             result_label = outcome(result)
             return result

@@ -22,6 +22,30 @@ class ModelInfo:
     model_instances: int
     """Total ``instance_group`` count: batches a Triton server executes at once."""
     decoupled: bool
+    corrid_type: str | None = None
+    """Data type of the sequence batcher's ``CONTROL_SEQUENCE_CORRID`` input, if declared."""
+
+    def sequence_id_problem(self, sequence_id: int | str) -> str | None:
+        """Why ``sequence_id`` must not reach this model, or None if it may.
+
+        Triton 2.51 copies a string id into a numeric CORRID input's 8-byte buffer: short ids
+        arrive as garbage numbers and long ones crash the whole server (measured).
+        """
+        if isinstance(sequence_id, str) and self.corrid_type not in (None, "TYPE_STRING"):
+            return (
+                f"this model's sequence batcher takes numeric correlation ids "
+                f"(CONTROL_SEQUENCE_CORRID is {self.corrid_type}); send sequence_id as an "
+                "integer (a string id corrupts or crashes Triton 2.51)"
+            )
+        return None
+
+
+def _corrid_type(config: dict[str, Any]) -> str | None:
+    for control_input in (config.get("sequence_batching") or {}).get("control_input") or []:
+        for control in control_input.get("control") or []:
+            if control.get("kind") == "CONTROL_SEQUENCE_CORRID":
+                return str(control.get("data_type") or "TYPE_INVALID")
+    return None
 
 
 def model_info(config: dict[str, Any]) -> ModelInfo:
@@ -34,6 +58,7 @@ def model_info(config: dict[str, Any]) -> ModelInfo:
         priority_levels=int(batching.get("priority_levels") or 0),
         model_instances=sum(int(g.get("count") or 1) for g in groups) or 1,
         decoupled=bool(policy.get("decoupled")),
+        corrid_type=_corrid_type(config),
     )
 
 
