@@ -15,8 +15,10 @@ from proxy.routing.retry import RetryParams
 
 @dataclass(frozen=True)
 class PolicySpec:
-    name: str = "weighted_score"
-    """A key of :data:`proxy.routing.registry.POLICIES`."""
+    name: str = "least_requests"
+    """A key of :data:`proxy.routing.registry.POLICIES`. The default is the policy with the
+    lowest tail latency in our benchmark (docs/benchmarks.md): the proxy's own in-flight counts
+    are exact and immediate, while scraped metrics lag by up to a scrape interval."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """The policy's own parameters (validated by the policy's params dataclass)."""
 

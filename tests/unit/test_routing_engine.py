@@ -27,7 +27,7 @@ def router(data: dict[str, Any] | None = None, now: float = 100.0) -> tuple[Rout
 def test_defaults() -> None:
     config = load_routing_config({})
     assert config == RoutingConfig()
-    assert config.policy.name == "weighted_score"
+    assert config.policy.name == "least_requests"
 
 
 def test_no_candidates_is_an_error_with_a_reason() -> None:
@@ -56,7 +56,7 @@ def test_per_model_policy_and_stats() -> None:
 
 
 def test_stale_is_a_penalty_not_an_exclusion() -> None:
-    r, _ = router({"stale_after_s": 5.0, "stale_weight": 0.5})
+    r, _ = router({"policy": {"name": "weighted_score"}, "stale_after_s": 5.0, "stale_weight": 0.5})
     fresh = cand("fresh", in_flight=1, snapshot=snap(99.0))
     stale = cand("stale", snapshot=snap(90.0))
     prepared = {c.name: c for c in r.prepare(REQ, [fresh, stale])}
@@ -149,7 +149,7 @@ def test_stats_survive_a_new_router() -> None:
     config = RoutingConfig()
     for _ in range(2):
         Router(config, FakeClock(), random.Random(0), stats).choose(REQ, [cand("a")])
-    assert stats.decisions[(MODEL, "weighted_score", "a")] == 2
+    assert stats.decisions[(MODEL, "least_requests", "a")] == 2
 
 
 def test_retry_budget_is_exposed() -> None:
