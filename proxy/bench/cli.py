@@ -111,6 +111,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="250,500,1000,1500,2000,3000",
         help="comma list of req/s steps for the sustained-rate search",
     )
+    b.add_argument(
+        "--publish",
+        default=None,
+        metavar="DIR",
+        help="also write small copies to commit (tables, JSON without histograms, PNGs)",
+    )
     b.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     b.add_argument("--no-plots", action="store_true", help="table and JSON only")
     b.add_argument("--quiet", action="store_true", help="no progress line")
@@ -358,6 +364,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env["load_average_end"] = list(os.getloadavg())
     (out / "run.json").write_text(json.dumps(env, indent=1) + "\n")
     print(f"bench: results in {out}", flush=True)
+    if args.publish:
+        from proxy.bench.publish import publish
+
+        files = publish(out, Path(args.publish))
+        print(f"bench: {len(files)} small copies in {args.publish}", flush=True)
     return 0
 
 

@@ -462,3 +462,37 @@ async def test_cpu_meter_wraps_an_arm():
     assert [r.arm for r in meter.runs] == ["d", "d"]
     assert set(meter.summary()["d"]) == {"generator", "arm", "triton", "other", "machine"}
     assert "d" in meter.render()
+
+
+# -- publishing ----------------------------------------------------------------------------
+
+
+def test_publish_strips_histograms_and_work(tmp_path):
+    import json
+
+    from proxy.bench.publish import DROPPED, publish, strip_histograms
+
+    report = {
+        "summary": {"a": {"classes": {"x": {"pooled": {"p99_ms": 3.0}}}}},
+        "repetitions": [
+            {"arms": {"a": {"classes": {"x": {"p99_ms": 3.0, "latency_us": {"buckets": [1]}}}}}}
+        ],
+    }
+    small = strip_histograms(report)
+    assert small["repetitions"][0]["arms"]["a"]["classes"]["x"] == {"p99_ms": 3.0}
+    assert small["summary"] == report["summary"]
+    assert "latency_us" in report["repetitions"][0]["arms"]["a"]["classes"]["x"]  # a copy
+    src = tmp_path / "run"
+    (src / "work" / "logs").mkdir(parents=True)
+    (src / "work" / "logs" / "t.txt").write_text("log")
+    (src / "scale-1.5").mkdir()
+    (src / "scale-1.5" / "report.json").write_text(json.dumps(report))
+    (src / "report.txt").write_text("table")
+    (src / "run.json").write_text('{"command": "x"}')
+    (src / "other.bin").write_bytes(b"\0")
+    files = publish(src, tmp_path / "docs")
+    rel = sorted(str(f.relative_to(tmp_path / "docs")) for f in files)
+    assert rel == ["report.txt", "run.json", "scale-1.5/report.json"]
+    doc = json.loads((tmp_path / "docs" / "scale-1.5" / "report.json").read_text())
+    assert doc["published"] == DROPPED and "latency_us" not in json.dumps(doc)
+    assert json.loads((tmp_path / "docs" / "run.json").read_text()) == {"command": "x"}
