@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -36,7 +36,7 @@ import yaml
 
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
-from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe
+from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,3 +457,23 @@ def build_arm(
         description=f"{plan.description} ({mode})",
         probe=probe,
     )
+
+
+def with_connection_limit(arm: ArmSpec, limit: int) -> ArmSpec:
+    """The same arm; the generator opens at most ``limit`` connections to it.
+
+    Requests beyond the limit wait in the generator's pool, first come first served, and that
+    wait is charged to them. An arm that holds many requests (a proxy queueing them by class)
+    can reach the limit under overload, and then the pool's FIFO, not the arm, decides the
+    order: keep the limit above the requests in flight the run can reach.
+    """
+    if limit < 1:
+        raise ValueError(f"connection limit must be >= 1, got {limit}")
+    inner = arm.open
+
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[TargetSpec]:
+        async with inner() as spec:
+            yield replace(spec, connection_limit=limit)
+
+    return replace(arm, open=open_)

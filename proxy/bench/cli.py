@@ -39,6 +39,7 @@ from proxy.bench.arms import (
     resolve_arms,
     scheduling_section,
     triton_pending_probe,
+    with_connection_limit,
 )
 from proxy.bench.compare import ACCEL_SIM_NOTE, ArmSpec, run_comparison
 from proxy.bench.cpu import CpuMeter
@@ -103,6 +104,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=PROXY_MODES,
         default="subprocess",
         help="proxy arms in a child process (default) or in the generator's event loop",
+    )
+    b.add_argument(
+        "--connections",
+        type=int,
+        default=1000,
+        help="most connections the generator opens to an arm (default 1000); requests beyond "
+        "wait in its pool, first come first served",
     )
     b.add_argument("--overhead-duration", type=float, default=10.0, help="idle run seconds")
     b.add_argument("--overhead-rate", type=float, default=50.0, help="idle run req/s")
@@ -336,6 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env["scenario"] = str(args.scenario)
     env["proxy_mode"] = args.proxy_mode
     env["instances"] = args.instances
+    env["connections"] = args.connections
     models = models_needed(scenario, args.overhead)
     repo = bench_repository(
         Path(args.model_repository),
@@ -398,7 +407,7 @@ async def _bench(
             print(f"\nbench: load factor {scale:g}", flush=True)
             report = await run_comparison(
                 sc,
-                [meter.wrap(a) for a in arms],
+                [meter.wrap(with_connection_limit(a, args.connections)) for a in arms],
                 baseline=baseline_name(plans),
                 probe=lambda: triton_pending_probe(servers, scenario.model.name),
                 show_progress=show,

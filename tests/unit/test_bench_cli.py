@@ -496,3 +496,16 @@ def test_publish_strips_histograms_and_work(tmp_path):
     doc = json.loads((tmp_path / "docs" / "scale-1.5" / "report.json").read_text())
     assert doc["published"] == DROPPED and "latency_us" not in json.dumps(doc)
     assert json.loads((tmp_path / "docs" / "run.json").read_text()) == {"command": "x"}
+
+
+async def test_connection_limit_wraps_any_arm(tmp_path):
+    from proxy.bench.arms import with_connection_limit
+
+    sc = load_scenario(MIXED)
+    arm = build_arm(CATALOG["rr_priority"], SERVERS, sc, model=sc.model, workdir=tmp_path)
+    limited = with_connection_limit(arm, 8000)
+    async with limited.open() as spec:
+        assert spec.connection_limit == 8000 and spec.priority
+    assert build_parser().parse_args(["bench"]).connections == 1000
+    with pytest.raises(ValueError):
+        with_connection_limit(arm, 0)
