@@ -108,9 +108,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--connections",
         type=int,
-        default=1000,
-        help="most connections the generator opens to an arm (default 1000); requests beyond "
-        "wait in its pool, first come first served",
+        default=8000,
+        help="most connections the generator opens to an arm (default 8000); requests beyond "
+        "wait in its pool, first come first served, which hides the arm's own ordering",
     )
     b.add_argument("--overhead-duration", type=float, default=10.0, help="idle run seconds")
     b.add_argument("--overhead-rate", type=float, default=50.0, help="idle run req/s")

@@ -506,6 +506,6 @@ async def test_connection_limit_wraps_any_arm(tmp_path):
     limited = with_connection_limit(arm, 8000)
     async with limited.open() as spec:
         assert spec.connection_limit == 8000 and spec.priority
-    assert build_parser().parse_args(["bench"]).connections == 1000
+    assert build_parser().parse_args(["bench"]).connections == 8000
     with pytest.raises(ValueError):
         with_connection_limit(arm, 0)
