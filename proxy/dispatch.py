@@ -159,6 +159,7 @@ class Dispatcher:
                     ) from exc
                 self.telemetry.retries.inc()
                 continue
+            instance.last_answer_at = self.fleet.clock.now()
             seq = call.params.sequence_id
             if seq is not None and call.params.sequence_end:
                 self.affinity.end(call.model, seq)

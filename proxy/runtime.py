@@ -69,7 +69,7 @@ class Runtime:
             connect_timeout_s=config.limits.connect_timeout_s,
             request_timeout_s=config.limits.request_timeout_s,
         )
-        self.health = HealthChecker(self.fleet, self.upstreams)
+        self.health = HealthChecker(self.fleet)
         self.affinity = SequenceAffinity(
             clock,
             max_entries=config.sequences.max_entries,

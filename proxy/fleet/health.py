@@ -9,33 +9,52 @@ import logging
 import aiohttp
 
 from proxy.fleet.instances import Fleet, Instance
-from proxy.fleet.upstream import HttpUpstreams
 
 log = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, fleet: Fleet, upstreams: HttpUpstreams, *, tick_s: float = 0.1) -> None:
+    def __init__(self, fleet: Fleet, *, tick_s: float = 0.1) -> None:
         self.fleet = fleet
-        self.upstreams = upstreams
         self.tick_s = min(tick_s, fleet.health.interval_s)
         self._task: asyncio.Task[None] | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
 
     def check_soon(self, instance: Instance) -> None:
         """Probe ``instance`` at the next tick (it just answered 5xx, say)."""
         instance.next_probe_at = min(instance.next_probe_at, self.fleet.clock.now())
 
+    def _session(self) -> aiohttp.ClientSession:
+        # Probes get their own small pool: queued behind the request pool's connections, a
+        # probe would time out on the proxy's own backlog rather than on the server.
+        if self._probe_session is None or self._probe_session.closed:
+            self._probe_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit_per_host=2)
+            )
+        return self._probe_session
+
     async def probe(self, instance: Instance) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self.fleet.health.timeout_s)
+        health = self.fleet.health
+        timeout = aiohttp.ClientTimeout(total=health.timeout_s)
         was_healthy = instance.healthy
+        busy = False
         try:
-            async with self.upstreams.session(instance).get(
-                "/v2/health/ready", timeout=timeout
+            async with self._session().get(
+                instance.spec.http + "/v2/health/ready", timeout=timeout
             ) as resp:
                 ok = resp.status == 200
                 reason = f"readiness probe answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError:
+            ok, reason = False, f"readiness probe timed out after {health.timeout_s:g} s"
+            # An overloaded server answers its requests but not its probe in time: it is
+            # busy, not dead, and ejecting it would only pile its load on the others.
+            busy = self.fleet.clock.now() - instance.last_answer_at <= 2 * health.timeout_s
+        except aiohttp.ClientError as exc:
             ok, reason = False, f"readiness probe failed: {exc or type(exc).__name__}"
+        if busy:
+            log.debug("instance %s is slow to answer probes but serving requests", instance.name)
+            instance.next_probe_at = self.fleet.clock.now() + health.interval_s
+            return True
         if ok:
             self.fleet.report_success(instance)
             if not was_healthy:
@@ -66,3 +85,6 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._probe_session is not None:
+            await self._probe_session.close()
+            self._probe_session = None

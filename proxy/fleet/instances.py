@@ -66,6 +66,8 @@ class Instance:
     ejected_reason: str = ""
     in_flight: int = 0
     streams: int = 0
+    last_answer_at: float = float("-inf")
+    """Clock time of the instance's last answer to a forwarded request."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
 
     @property
