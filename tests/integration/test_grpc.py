@@ -248,9 +248,12 @@ def test_stream_errors_come_back_in_the_stream(proxy: ProxyThread, direct: str) 
         events: queue.Queue[tuple[Any, Any]] = queue.Queue()
         with grpcclient.InferenceServerClient(url) as c:
             c.start_stream(callback=lambda result, error, q=events: q.put((result, error)))
+            # One at a time: Triton 2.51 can abort writing concurrent errors to one stream
+            # (docs/triton-notes.md).
             c.async_stream_infer("no_such_model", simple_inputs())
+            first = events.get(timeout=30)
             c.async_stream_infer("text_generator", text_inputs("x", 100_000))
-            first, second = events.get(timeout=30), events.get(timeout=30)
+            second = events.get(timeout=30)
             c.stop_stream()
         answers.append(sorted(str(e[1]) for e in (first, second)))
     assert answers[0] == answers[1]
