@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -129,8 +130,8 @@ def test_short_sequence_embedding_does_not_depend_on_its_batch(
 
     # Send long requests and the short one together until the batcher pads the short one to
     # 512 tokens: the first long request occupies the model while the rest queue up.
-    tries = 10
-    for _ in range(tries):
+    tries = 20
+    for attempt in range(tries):
         longs = [
             http.async_infer(
                 "text_encoder",
@@ -138,6 +139,9 @@ def test_short_sequence_embedding_does_not_depend_on_its_batch(
             )
             for i in range(4)
         ]
+        # Let the long ones reach the server first (the client sends from greenlets, in no
+        # fixed order); a little longer each try, whatever the machine's speed.
+        time.sleep(0.005 * (attempt + 1))
         mixed = http.async_infer("text_encoder", [_input(httpclient, "INPUT_IDS", short, "INT64")])
         batched = mixed.get_result()
         for pending in longs:
