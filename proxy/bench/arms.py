@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -36,8 +35,10 @@ import yaml
 
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
+from proxy.bench.procs import stop_process
 from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
+from proxy.local.fleet import log_tail
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -266,7 +267,7 @@ async def proxy_subprocess(
             await wait_ready(endpoints.http_url, start_timeout_s, proc=proc, log=log_path)
             yield endpoints
         finally:
-            await _stop(proc)
+            await stop_process(proc, 15.0)
 
 
 async def _wait_banner(
@@ -283,9 +284,11 @@ async def _wait_banner(
                 f"http://127.0.0.1:{metrics}/metrics" if metrics else None,
             )
         if proc.returncode is not None:
-            raise ProxyStartError(f"proxy exited with {proc.returncode} at start:\n{_tail(log)}")
+            raise ProxyStartError(
+                f"proxy exited with {proc.returncode} at start:\n{log_tail(log, 20)}"
+            )
         if time.monotonic() > deadline:
-            raise ProxyStartError(f"proxy did not start in {timeout_s}s:\n{_tail(log)}")
+            raise ProxyStartError(f"proxy did not start in {timeout_s}s:\n{log_tail(log, 20)}")
         await asyncio.sleep(0.05)
 
 
@@ -305,31 +308,11 @@ async def wait_ready(
                     if resp.status == 200:
                         return
             if proc is not None and proc.returncode is not None:
-                tail = _tail(log) if log else ""
+                tail = log_tail(log, 20) if log else ""
                 raise ProxyStartError(f"proxy exited with {proc.returncode}:\n{tail}")
             if time.monotonic() > deadline:
                 raise ProxyStartError(f"{base_url} not ready after {timeout_s}s")
             await asyncio.sleep(0.1)
-
-
-async def _stop(proc: asyncio.subprocess.Process, timeout_s: float = 15.0) -> None:
-    if proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"(no log: {exc})"
 
 
 @contextlib.asynccontextmanager

@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from proxy.bench.procs import stop_process
+from proxy.local.fleet import log_tail
+
 Balance = Literal["leastconn", "random2", "session"]
 BALANCES: tuple[Balance, ...] = ("leastconn", "random2", "session")
 
@@ -167,7 +170,7 @@ async def run_haproxy(
                 await _wait_ready(proc, url + ready_path, start_timeout_s, log)
                 yield url
             finally:
-                await _stop(proc)
+                await stop_process(proc, 5.0)
 
 
 async def _check_config(binary: str, cfg: Path) -> None:
@@ -193,7 +196,9 @@ async def _wait_ready(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
         while True:
             if proc.returncode is not None:
-                raise HAProxyError(f"haproxy exited with {proc.returncode} at start:\n{_tail(log)}")
+                raise HAProxyError(
+                    f"haproxy exited with {proc.returncode} at start:\n{log_tail(log, 20)}"
+                )
             try:
                 async with session.get(url) as resp:
                     await resp.read()
@@ -202,24 +207,6 @@ async def _wait_ready(
                 pass  # not listening yet
             if loop.time() > deadline:
                 raise HAProxyError(
-                    f"haproxy did not answer on {url} in {timeout_s}s:\n{_tail(log)}"
+                    f"haproxy did not answer on {url} in {timeout_s}s:\n{log_tail(log, 20)}"
                 )
             await asyncio.sleep(0.05)
-
-
-async def _stop(proc: asyncio.subprocess.Process, timeout_s: float = 5.0) -> None:
-    if proc.returncode is not None:
-        return
-    proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"(no log: {exc})"
