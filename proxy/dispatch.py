@@ -165,6 +165,22 @@ class Dispatcher:
                 self.affinity.end(call.model, seq)
             return instance, result
 
+    async def any_ready(self, send: Callable[[Instance], Awaitable[T]]) -> T:
+        """Read-only calls (metadata, config, statistics): the first ready instance that
+        answers. Such calls may go to the next instance when a connection fails or breaks."""
+        last: Exception | None = None
+        for instance in self.fleet.healthy():
+            try:
+                return await send(instance)
+            except (UpstreamConnectError, UpstreamLostError) as exc:
+                what = "lost" if isinstance(exc, UpstreamLostError) else "failed"
+                self._failed(instance, f"connection {what}: {exc}")
+                last = exc
+        raise ProxyError(
+            Code.UNAVAILABLE,
+            "no ready Triton instance" + (f" (last error: {last})" if last else ""),
+        )
+
     def note_sequence(self, model: str, params: InferParams, instance: Instance) -> None:
         """A request of a stream already placed on ``instance``: keep its sequence there."""
         seq = params.sequence_id

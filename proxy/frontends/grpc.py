@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from proxy.dispatch import Call
-from proxy.errors import Code, ProxyError
+from proxy.errors import ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
@@ -111,7 +111,8 @@ class GrpcFrontend:
     """Builds the ``grpc.aio`` server serving Triton's gRPC protocol for one :class:`Runtime`."""
 
     def __init__(self, runtime_ref: Callable[[], Runtime]) -> None:
-        # A callable, not a Runtime: a policy reload swaps the runtime under running servers.
+        # A callable, not a Runtime: the server outlives any one runtime object (tests and
+        # reloads may hand it another).
         self._rt = runtime_ref
 
     def server(self, max_receive_bytes: int) -> grpc.aio.Server:
@@ -290,18 +291,8 @@ class GrpcFrontend:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
         rt = self._rt()
         forward = forward_metadata(_metadata(context), drop)
-        last: Exception | None = None
-        for instance in rt.fleet.healthy():
-            try:
-                return await self._unary(rt, instance, method, request, forward, context)
-            except (UpstreamConnectError, UpstreamLostError) as exc:
-                # These calls only read, so the next instance may answer instead.
-                what = "lost" if isinstance(exc, UpstreamLostError) else "failed"
-                rt.fleet.report_failure(instance, f"gRPC connection {what}: {exc}")
-                last = exc
-        raise ProxyError(
-            Code.UNAVAILABLE,
-            "no ready Triton instance" + (f" (last error: {last})" if last else ""),
+        return await rt.dispatcher.any_ready(
+            lambda instance: self._unary(rt, instance, method, request, forward, context)
         )
 
     def relayed(self, method: str) -> UnaryHandler:

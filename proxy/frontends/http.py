@@ -73,7 +73,8 @@ class HttpFrontend:
     """Builds the aiohttp application serving Triton's HTTP protocol for one :class:`Runtime`."""
 
     def __init__(self, runtime_ref: Callable[[], Runtime]) -> None:
-        # A callable, not a Runtime: a policy reload swaps the runtime under running servers.
+        # A callable, not a Runtime: the server outlives any one runtime object (tests and
+        # reloads may hand it another).
         self._rt = runtime_ref
 
     def app(self, max_body_bytes: int) -> web.Application:
@@ -222,17 +223,8 @@ class HttpFrontend:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
         body = await self._read_body(request)
         headers = _forward_headers(request.headers)
-        rt = self._rt()
-        last: Exception | None = None
-        for instance in rt.fleet.healthy():
-            try:
-                return await self._exchange(instance, request, body, headers)
-            except UpstreamConnectError as exc:
-                rt.fleet.report_failure(instance, f"connection failed: {exc}")
-                last = exc
-        raise ProxyError(
-            Code.UNAVAILABLE,
-            "no ready Triton instance" + (f" (last error: {last})" if last else ""),
+        return await self._rt().dispatcher.any_ready(
+            lambda instance: self._exchange(instance, request, body, headers)
         )
 
     async def shared_memory(self, request: web.Request) -> web.Response:
