@@ -92,11 +92,14 @@ def test_busy_instance_seen_through_proxy_in_flight(
         with busy(proxy.http, 8, {"x-session-id": "batch-job"}):
             wait_for(lambda: max(i.in_flight for i in fleet.all()) >= 6)
             busy_name = decisions(proxy, "accel_sim").most_common(1)[0][0]
+            seen: list[int] = []
             with httpclient.InferenceServerClient(proxy.http) as c:
                 for _ in range(SHORT_REQUESTS):
+                    seen.append(fleet.get(busy_name).in_flight)
                     c.infer("simple", simple())
-            # The busy instance really was busy the whole time.
-            assert fleet.get(busy_name).in_flight >= 4
+            # The busy instance really was busy while the short requests were routed (a single
+            # sample can catch its clients between two requests).
+            assert sum(seen) / len(seen) >= 4, seen
         short = decisions(proxy, "simple")
     assert sum(short.values()) == SHORT_REQUESTS
     share = short[busy_name] / SHORT_REQUESTS
