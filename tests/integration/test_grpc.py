@@ -486,7 +486,9 @@ def test_unreachable_grpc_endpoint_is_retried_elsewhere(triton_fleet: Any) -> No
     s0 = triton_fleet.servers[0]
     # Healthy over HTTP (the probe passes), but nothing listens on its gRPC port.
     broken = _Server("broken", s0.http_url, "127.0.0.1:9", s0.metrics_url)
-    with running_proxy([broken, *triton_fleet.servers[1:]]) as p:
+    # Round robin places every third stream on the broken instance, whatever chance does.
+    policy = {"routing": {"policy": {"name": "round_robin"}}}
+    with running_proxy([broken, *triton_fleet.servers[1:]], policy) as p:
         with grpcclient.InferenceServerClient(p.grpc) as c:
             for _ in range(6):
                 assert c.infer("simple", simple_inputs()).as_numpy("OUTPUT0") is not None
