@@ -123,8 +123,9 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(call.model, klass).observe(time.perf_counter() - began)
+            t = self.telemetry
+            t.requests_by.get(call.model, klass, instance_name, result_label).inc()
+            t.latency_by.get(call.model, klass).observe(time.perf_counter() - began)
 
     async def _send(
         self, call: Call, priority: int | None, send: Send[T], stream: bool

@@ -85,6 +85,10 @@ class GrpcUpstreams:
         ]
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         """instance name -> (target, channel)"""
+        self._unary: dict[
+            tuple[str, str], tuple[grpc.aio.Channel, grpc.aio.UnaryUnaryMultiCallable]
+        ] = {}
+        """(instance name, method) -> (channel, its multi-callable): built once, not per call"""
         self._replaced: list[grpc.aio.Channel] = []
 
     def channel(self, instance: Instance) -> grpc.aio.Channel:
@@ -114,7 +118,11 @@ class GrpcUpstreams:
         client_remaining: float | None,
     ) -> bytes:
         """One unary call; raises Upstream{Connect,Lost}Error or Triton's ``AioRpcError``."""
-        call = self.channel(instance).unary_unary(method)(
+        channel = self.channel(instance)
+        cached = self._unary.get((instance.name, method))
+        if cached is None or cached[0] is not channel:
+            cached = self._unary[(instance.name, method)] = (channel, channel.unary_unary(method))
+        call = cached[1](
             request,
             metadata=metadata,
             timeout=effective_timeout(client_remaining, self.request_timeout_s),
@@ -152,6 +160,7 @@ class GrpcUpstreams:
             if name not in keep or inst is None or target != inst.spec.grpc:
                 del self._channels[name]
                 self._replaced.append(ch)
+        self._unary = {k: v for k, v in self._unary.items() if k[0] in self._channels}
         replaced, self._replaced = self._replaced, []
         for ch in replaced:
             await ch.close()

@@ -68,6 +68,10 @@ class Instance:
     streams: int = 0
     last_answer_at: float = float("-inf")
     """Clock time of the instance's last answer to a forwarded request."""
+    failed_at: float = float("-inf")
+    """Clock time of the last failure this process saw (probe, connection, 5xx)."""
+    verdict_at: float = float("-inf")
+    """Clock time of the last health verdict (a success or a failure report)."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -128,8 +132,10 @@ class Fleet:
 
     # --- health -------------------------------------------------------------------------
     def report_success(self, instance: Instance) -> None:
+        now = self.clock.now()
         instance.failures = 0
-        instance.next_probe_at = self.clock.now() + self.health.interval_s
+        instance.verdict_at = now
+        instance.next_probe_at = now + self.health.interval_s
         if not instance.healthy:
             instance.healthy = True
             instance.ejected_reason = ""
@@ -140,18 +146,25 @@ class Fleet:
         """A probe failed, a connection broke, or the server answered 5xx about itself."""
         instance.failures += 1
         now = self.clock.now()
+        instance.failed_at = instance.verdict_at = now
         if instance.healthy and instance.failures >= self.health.eject_after_failures:
-            instance.healthy = False
-            instance.ejected_reason = reason
-            instance.backoff_s = self.health.backoff_initial_s
-            instance.next_probe_at = now + instance.backoff_s
-            self._changed(instance)
+            self.eject(instance, reason)
         elif not instance.healthy:
             instance.backoff_s = min(
                 max(instance.backoff_s * 2, self.health.backoff_initial_s),
                 self.health.backoff_max_s,
             )
             instance.next_probe_at = now + instance.backoff_s
+
+    def eject(self, instance: Instance, reason: str) -> None:
+        """Take ``instance`` out of rotation now (probed back with backoff)."""
+        if not instance.healthy:
+            return
+        instance.healthy = False
+        instance.ejected_reason = reason
+        instance.backoff_s = self.health.backoff_initial_s
+        instance.next_probe_at = self.clock.now() + instance.backoff_s
+        self._changed(instance)
 
     def _changed(self, instance: Instance) -> None:
         for listener in self.listeners:

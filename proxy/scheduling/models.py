@@ -44,9 +44,17 @@ class FanOutObserver(GateObserver):
 
 class ModelGates:
     def __init__(
-        self, config: SchedulingConfig, fleet: Fleet, clock: Clock, observer: GateObserver
+        self,
+        config: SchedulingConfig,
+        fleet: Fleet,
+        clock: Clock,
+        observer: GateObserver,
+        *,
+        workers: int = 1,
     ) -> None:
         self.config = config
+        self.workers = workers
+        """Proxy processes sharing the fleet: each takes ``ceil(1/workers)`` of the slots."""
         self.fleet = fleet
         self.clock = clock
         self.observer = observer
@@ -55,6 +63,9 @@ class ModelGates:
 
     def capacity(self, info: ModelInfo) -> int:
         per_instance = self.config.instance_concurrency(info.max_batch_size, info.model_instances)
+        if self.workers > 1:
+            # See proxy.workers.per_worker_scheduling for the bound on the total.
+            per_instance = max(1, -(-per_instance // self.workers))
         return len(self.fleet.healthy()) * per_instance
 
     def gate(self, model: str, info: ModelInfo) -> Gate:
