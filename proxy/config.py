@@ -15,6 +15,7 @@ import yaml
 
 from proxy import strict
 from proxy.fleet.instances import HealthConfig, InstanceSpec
+from proxy.leadership import LeadershipConfig
 from proxy.routing.config import RoutingConfig, check_policies
 from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
@@ -102,6 +103,8 @@ class ProxyConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig | None = None
     """Priority classes; without this section every request is dispatched at once."""
+    leadership: LeadershipConfig = field(default_factory=LeadershipConfig)
+    """Which replica may change the fleet's configuration (proxy.leadership)."""
 
     def __post_init__(self) -> None:
         if not self.instances:

@@ -24,6 +24,7 @@ from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
+from proxy.leadership import build_leadership
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
@@ -108,6 +109,9 @@ class Runtime:
                 role.state_dir / STATE_FILE, self.fleet, scrape.interval_s
             )
         self._publisher: asyncio.Task[None] | None = None
+        self.leadership = build_leadership(
+            config.leadership, clock, eligible=role is None or role.leader
+        )
         self.router = Router(config.routing, clock, rng, observer=self._decided)
         self.placement = FleetPlacement(
             self.fleet, self.upstreams, self._choose, self.scraper.snapshot
@@ -157,6 +161,11 @@ class Runtime:
         if not instance.healthy:
             self.telemetry.ejections.labels(instance.name).inc()
             self.affinity.forget_instance(instance.name)
+
+    def is_leader(self) -> bool:
+        """Whether this process may change the fleet's configuration (batching windows):
+        the leader worker of the leader replica (proxy.leadership, proxy.workers)."""
+        return self.leadership.is_leader()
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None
@@ -244,7 +253,7 @@ class Runtime:
         classifier = Classifier(config.scheduling) if config.scheduling is not None else None
         restart_only = [
             name
-            for name in ("listen", "limits", "sequences", "scrape")
+            for name in ("listen", "limits", "sequences", "scrape", "leadership")
             if getattr(config, name) != getattr(self.config, name)
         ]
         self.fleet.set_specs(config.instances, config.health)
@@ -281,6 +290,7 @@ class Runtime:
         await self.scraper.start()
         if self.role is not None and self.role.leader:
             self._publisher = asyncio.create_task(self._publish(), name="fleet-state-publisher")
+        await self.leadership.start()
 
     async def _publish(self) -> None:
         """Leader: share snapshots and health verdicts with the followers (proxy.workers)."""
@@ -295,6 +305,7 @@ class Runtime:
             await asyncio.sleep(self.config.scrape.interval_s / 2)
 
     async def stop(self) -> None:
+        await self.leadership.stop()
         if self._publisher is not None:
             self._publisher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
