@@ -28,7 +28,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from proxy.clock import Clock
 
@@ -253,7 +253,8 @@ class KubernetesLeaseApi:
     def __init__(self, name: str, namespace: str) -> None:
         from kubernetes import client, config
 
-        config.load_incluster_config()
+        # Through Any: the client is untyped, and may not be installed where mypy runs.
+        cast(Any, config).load_incluster_config()
         self._client = client
         self._api = client.CoordinationV1Api()
         self.name = name
