@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from proxy.telemetry import Telemetry
 
 T = TypeVar("T")
+OTHER_MODEL = "other"
+"""Metric label of requests for models no instance knows."""
 Send = Callable[[Instance, int | None], Awaitable[T]]
 """Forward the request to the instance, setting this Triton priority when not None."""
 
@@ -92,14 +94,20 @@ class Dispatcher:
     ) -> T:
         klass = self.classify(call)
         began = time.perf_counter()
+        # Until the model is known, its metric label is "other": a client inventing names
+        # must not create label values (or routing state, or gates).
+        model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
         try:
+            info = await self.catalog.info(call.model)
+            if info is None:
+                raise ProxyError(
+                    Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
+                )
+            model_label = call.model
             seq = call.params.sequence_id
-            info = None
-            if self.admission is not None or isinstance(seq, str):
-                info = await self.catalog.info(call.model)
-            if info is not None and seq is not None:
+            if seq is not None:
                 problem = info.sequence_id_problem(seq)
                 if problem is not None:
                     raise ProxyError(
@@ -107,8 +115,7 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None or info is None:
-                # Without classes, or for a model no ready instance knows (Triton answers).
+            if self.admission is None:
                 instance, result = await self._send(call, None, send, stream)
             else:
                 async with self.admission.admit(call.model, info, klass) as priority:
@@ -123,8 +130,8 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(call.model, klass).observe(time.perf_counter() - began)
+            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
+            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
 
     async def _send(
         self, call: Call, priority: int | None, send: Send[T], stream: bool
