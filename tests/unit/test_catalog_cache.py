@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from proxy.clock import FakeClock
 from proxy.errors import Code, ProxyError
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec
-from proxy.clock import FakeClock
 
 
 class ScriptedCatalog(ModelCatalog):
