@@ -9,8 +9,7 @@ protocol-specific forwarding, which receives the instance and the Triton priorit
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.errors import Code, ProxyError
@@ -18,7 +17,7 @@ from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
-from proxy.frontends.kserve_http import NO_PARAMS, InferParams
+from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
 
@@ -31,18 +30,6 @@ OTHER_MODEL = "other"
 """Metric label of requests for models no instance knows."""
 Send = Callable[[Instance, int | None], Awaitable[T]]
 """Forward the request to the instance, setting this Triton priority when not None."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """What a frontend learned about one request: enough to place it, nothing more."""
-
-    model: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    """Request headers or gRPC metadata, keys lower-case."""
-    params: InferParams = NO_PARAMS
-    session_key: str | None = None
-    cost: float = 1.0
 
 
 class Placement(Protocol):
@@ -79,6 +66,20 @@ class Dispatcher:
         self.telemetry = telemetry
         self.admission = admission
         self.classifier = classifier
+        self.max_retries = max_retries
+
+    def reconfigure(
+        self,
+        *,
+        admission: ModelGates | None,
+        classifier: Classifier | None,
+        retries: RetryGate,
+        max_retries: int,
+    ) -> None:
+        """Adopt a reloaded policy's admission, classes and retry rules (one swap each)."""
+        self.admission = admission
+        self.classifier = classifier
+        self.retries = retries
         self.max_retries = max_retries
 
     def classify(self, call: Call) -> str:

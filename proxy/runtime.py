@@ -226,9 +226,12 @@ class Runtime:
             self.gates = ModelGates(config.scheduling, self.fleet, self.clock, self._gate_observer)
         else:
             self.gates.reconfigure(config.scheduling)
-        d = self.dispatcher
-        d.admission, d.classifier = self.gates, classifier
-        d.retries, d.max_retries = router.retry_budget, config.routing.retry.max_retries
+        self.dispatcher.reconfigure(
+            admission=self.gates,
+            classifier=classifier,
+            retries=router.retry_budget,
+            max_retries=config.routing.retry.max_retries,
+        )
         self.config = config
         self.private_headers = private_headers(config)
         return restart_only

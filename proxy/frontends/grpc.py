@@ -19,7 +19,6 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.dispatch import Call
 from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
@@ -34,6 +33,7 @@ from proxy.frontends.common import (
 from proxy.frontends.http import HOP_BY_HOP
 from proxy.frontends.kserve_grpc import read_infer, with_parameter
 from proxy.frontends.routes import check_model_name
+from proxy.request import Call
 from proxy.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.dispatch import Call
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
@@ -32,6 +31,7 @@ from proxy.frontends.common import (
 )
 from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameter
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
+from proxy.request import Call
 from proxy.runtime import Runtime
 
 log = logging.getLogger(__name__)

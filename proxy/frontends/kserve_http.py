@@ -17,29 +17,15 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
-from typing import Any
 
 from proxy.errors import Code, ProxyError
+from proxy.request import NO_PARAMS, InferParams, params_from_mapping
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DECOMPRESS_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # The only ways a JSON object key can spell "parameters": literally, or with \u escapes.
 _PARAMETERS_KEY = b'"parameters"'
 _UNICODE_ESCAPE = b"\\u"
-
-
-@dataclass(frozen=True)
-class InferParams:
-    """Request parameters that steer routing."""
-
-    sequence_id: int | str | None = None
-    sequence_start: bool = False
-    sequence_end: bool = False
-    priority: int | None = None
-
-
-NO_PARAMS = InferParams()
 
 
 def decode_content(body: bytes, content_encoding: str | None, limit: int) -> bytes:
@@ -120,19 +106,6 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
     if not isinstance(params, dict):
         return NO_PARAMS
     return params_from_mapping(params)
-
-
-def params_from_mapping(params: dict[str, Any]) -> InferParams:
-    seq = params.get("sequence_id")
-    if isinstance(seq, bool) or not isinstance(seq, int | str) or seq in (0, ""):
-        seq = None
-    prio = params.get("priority")
-    return InferParams(
-        sequence_id=seq,
-        sequence_start=params.get("sequence_start") is True,
-        sequence_end=params.get("sequence_end") is True,
-        priority=prio if isinstance(prio, int) and not isinstance(prio, bool) else None,
-    )
 
 
 def _unreadable(why: str) -> ProxyError:

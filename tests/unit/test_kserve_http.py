@@ -6,12 +6,12 @@ import pytest
 
 from proxy.errors import Code, ProxyError
 from proxy.frontends.kserve_http import (
-    InferParams,
     decode_content,
     json_header,
     read_params,
     with_parameter,
 )
+from proxy.request import InferParams
 
 BINARY_TAIL = b"\x00\x01\x02\x03" * 4
 
