@@ -24,6 +24,7 @@ from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
+from proxy.frontends.common import private_headers
 from proxy.leadership import build_leadership
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
@@ -69,6 +70,8 @@ class Runtime:
         self.config = config
         self.role = role
         self.workers = role.count if role is not None else 1
+        self.private_headers = private_headers(config)
+        """Names of headers the proxy consumes and never forwards (credentials, class)."""
         self.clock = clock
         self.rng = rng
         self.telemetry = telemetry
@@ -274,10 +277,14 @@ class Runtime:
             )
         else:
             self.gates.reconfigure(self._scheduling(config))
-        d = self.dispatcher
-        d.admission, d.classifier = self.gates, classifier
-        d.retries, d.max_retries = router.retry_budget, config.routing.retry.max_retries
+        self.dispatcher.reconfigure(
+            admission=self.gates,
+            classifier=classifier,
+            retries=router.retry_budget,
+            max_retries=config.routing.retry.max_retries,
+        )
         self.config = config
+        self.private_headers = private_headers(config)
         return restart_only
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -313,6 +320,7 @@ class Runtime:
             self._publisher = None
         if self.gates is not None:
             self.gates.close()
+        await self.catalog.close()
         await self.scraper.stop()
         await self.health.stop()
         await self.upstreams.close()

@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.frontends.kserve_http import NO_PARAMS, InferParams, params_from_mapping
+from proxy.request import NO_PARAMS, InferParams, params_from_mapping
 
 _MODEL_NAME = 1
 _PARAMETERS = 4

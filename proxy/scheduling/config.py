@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from proxy import strict
+from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
 
@@ -186,13 +187,6 @@ def _no_keys() -> Mapping[str, ApiKeyConfig]:
     return MappingProxyType({})
 
 
-def _mask(key: str) -> str:
-    """Enough of a key to find it in the file, not enough to use it."""
-    if key.startswith(HASHED_KEY_PREFIX):
-        return key[: len(HASHED_KEY_PREFIX) + 8] + "..."
-    return key[:4] + "..." if len(key) > 8 else "..."
-
-
 @dataclass(frozen=True)
 class SchedulingConfig:
     """The whole ``scheduling:`` section, validated and frozen."""
@@ -205,7 +199,9 @@ class SchedulingConfig:
     max_queued_total: int | None = None
     """Bound on requests queued over all classes; null = only the per-class ``max_queue``."""
     retry_after_s: float = 1.0
-    api_keys: Mapping[str, ApiKeyConfig] = field(default_factory=_no_keys)
+    api_keys: Mapping[str, ApiKeyConfig] = field(
+        default_factory=_no_keys, metadata=strict.SECRET_KEYS
+    )
     class_header: str = "x-triton-proxy-class"
     api_key_header: str = "authorization"
     """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
@@ -231,14 +227,14 @@ class SchedulingConfig:
                 raise ValueError("api_keys: an empty key")
             if grant.class_name not in self.classes:
                 raise ValueError(
-                    f"api_keys[{_mask(key)}]: class {grant.class_name!r} is not a class; "
+                    f"api_keys[{mask_secret(key)}]: class {grant.class_name!r} is not a class; "
                     f"known: {known}"
                 )
             if key.startswith(HASHED_KEY_PREFIX) and not re.fullmatch(
                 r"[0-9a-fA-F]{64}", key[len(HASHED_KEY_PREFIX) :]
             ):
                 raise ValueError(
-                    f"api_keys[{_mask(key)}]: after '{HASHED_KEY_PREFIX}' give 64 hex digits"
+                    f"api_keys[{mask_secret(key)}]: after '{HASHED_KEY_PREFIX}' give 64 hex digits"
                 )
         for what, header in (
             ("class_header", self.class_header),
@@ -257,14 +253,15 @@ class SchedulingConfig:
         """The ``priority`` parameter to set on a request of ``class_name``, or None for none.
 
         ``priority_levels`` is the target model's ``dynamic_batching.priority_levels`` (0 when
-        absent). Triton ignores priority without priority levels, so none is set then, nor for
-        a class with ``triton_priority: 0``. A level above the model's count is clamped to its
-        lowest level (``priority_levels``): Triton itself would treat it as the *default*
-        level, which may rank above it and would invert the classes.
+        absent). Triton ignores priority without priority levels, so none is set then.
+        Otherwise the class always decides, whatever the client sent: a class with
+        ``triton_priority: 0`` gets 0, Triton's default level. A level above the model's count
+        is clamped to its lowest level (``priority_levels``): Triton itself would treat it as
+        the *default* level, which may rank above it and would invert the classes.
         """
-        cls = self.classes.get(class_name)
-        if cls is None or cls.triton_priority == 0 or priority_levels <= 0:
+        if priority_levels <= 0:
             return None
+        cls = self.classes.get(class_name) or self.classes[self.default_class]
         return min(cls.triton_priority, priority_levels)
 
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
