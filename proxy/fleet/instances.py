@@ -137,6 +137,9 @@ class Fleet:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy]
 
+    def healthy_count(self) -> int:
+        return sum(1 for i in self.instances.values() if i.healthy)
+
     def any_healthy(self) -> bool:
         return any(i.healthy for i in self.instances.values())
 

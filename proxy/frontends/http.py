@@ -60,15 +60,18 @@ HOP_BY_HOP = frozenset(
 
 
 def _forward_headers(
-    headers: CIMultiDictProxy[str], private: frozenset[str] = frozenset()
+    headers: CIMultiDictProxy[str],
+    private: frozenset[str] = frozenset(),
+    also: str | None = None,
 ) -> CIMultiDict[str]:
-    """Headers to send upstream: all but hop-by-hop ones and ``private`` (lower-case names:
-    credentials and the class header, consumed by the proxy)."""
-    return CIMultiDict(
-        (k, v)
-        for k, v in headers.items()
-        if k.lower() not in HOP_BY_HOP and k.lower() not in private
-    )
+    """Headers to send upstream: all but hop-by-hop ones, ``private`` (lower-case names:
+    credentials and the class header, consumed by the proxy) and ``also``."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        low = k.lower()
+        if low not in HOP_BY_HOP and low not in private and low != also:
+            out.add(k, v)
+    return out
 
 
 def error_response(exc: ProxyError) -> web.Response:
@@ -153,15 +156,15 @@ class HttpFrontend:
             raw, request.headers.get("Content-Encoding"), rt.config.limits.max_body_bytes
         )
         # The body goes upstream decoded, so its encoding header must not.
-        headers = _forward_headers(request.headers, rt.private_headers | {"content-encoding"})
+        headers = _forward_headers(request.headers, rt.private_headers, "content-encoding")
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
-        call_headers = {k.lower(): v for k, v in request.headers.items()}
+        # aiohttp's headers are case-insensitive already: no lower-cased copy is needed.
         call = Call(
             model=route.model,
-            headers=call_headers,
+            headers=request.headers,
             params=read_params(body, header_length),
-            session_key=rt.session_key(call_headers),
+            session_key=rt.session_key(request.headers),
         )
         stream = route.kind is Kind.GENERATE_STREAM
 

@@ -21,6 +21,7 @@ the query string is dropped (no Triton route reads one).
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -154,8 +155,15 @@ def not_found() -> ProxyError:
     return ProxyError(Code.NOT_FOUND, "Not Found")
 
 
+@functools.lru_cache(maxsize=4096)
 def match(method: str, raw_target: str) -> Route:
-    """The route for ``method`` and the raw request target, or :class:`ProxyError`."""
+    """The route for ``method`` and the raw request target, or :class:`ProxyError`.
+
+    Memoised (refusals raise, so they are not): the same few targets
+    (``/v2/models/<name>/infer``) arrive on every request, and checking one took about 4 % of
+    the proxy's CPU per request under load (py-spy, docs/benchmarks.md). A :class:`Route` is
+    frozen and depends on nothing but its arguments, so a remembered one is the same answer.
+    """
     parts = segments(raw_target)
     key = tuple(parts)
     fixed = _FIXED.get((method, *key))

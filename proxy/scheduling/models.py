@@ -93,7 +93,7 @@ class ModelGates:
         if self.workers > 1:
             # See proxy.workers.per_worker_scheduling for the bound on the total.
             per_instance = max(1, -(-per_instance // self.workers))
-        return len(self.fleet.healthy()) * per_instance
+        return self.fleet.healthy_count() * per_instance
 
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
