@@ -110,7 +110,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench-results" / "profile"))
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"))
+    p.add_argument(
+        "--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    )
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,18 +4,15 @@ on one port in front of a small fake Triton."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.clock import FakeClock
@@ -31,6 +28,7 @@ from proxy.workers import (
     per_worker_scheduling,
     write_state,
 )
+from tests.unit.fake_triton import fake_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,48 +117,6 @@ def test_merged_metrics_label_each_workers_series():
 
 
 # -- N processes on one port ----------------------------------------------------------------
-
-
-class FakeTriton:
-    """Enough of Triton's HTTP API for the proxy: ready, model config, infer, metrics."""
-
-    def __init__(self) -> None:
-        self.hits: Counter[str] = Counter()
-
-    def app(self) -> web.Application:
-        async def ready(request: web.Request) -> web.Response:
-            return web.Response()
-
-        async def config(request: web.Request) -> web.Response:
-            return web.json_response({"max_batch_size": 8, "dynamic_batching": {}})
-
-        async def infer(request: web.Request) -> web.Response:
-            await request.read()
-            self.hits["infer"] += 1
-            return web.json_response({"outputs": []})
-
-        async def metrics(request: web.Request) -> web.Response:
-            self.hits["metrics"] += 1
-            return web.Response(text='nv_inference_pending_request_count{model="m",version="1"} 0\n')
-
-        app = web.Application()
-        app.router.add_get("/v2/health/ready", ready)
-        app.router.add_get("/v2/models/{model}/config", config)
-        app.router.add_post("/v2/models/{model}/infer", infer)
-        app.router.add_get("/metrics", metrics)
-        return app
-
-
-@contextlib.asynccontextmanager
-async def fake_triton() -> AsyncIterator[tuple[FakeTriton, str]]:
-    fake = FakeTriton()
-    runner = web.AppRunner(fake.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield fake, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 async def _banner(proc: asyncio.subprocess.Process) -> dict[str, int]:
