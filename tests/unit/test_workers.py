@@ -169,14 +169,16 @@ async def test_two_workers_share_the_port_and_the_scrape(tmp_path):
             body = b'{"inputs":[]}'
             for _ in range(60):
                 # A new connection each time: the kernel spreads connections, not requests.
-                async with aiohttp.ClientSession() as s:
-                    async with s.post(base + "/v2/models/m/infer", data=body) as resp:
-                        assert resp.status == 200
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(base + "/v2/models/m/infer", data=body) as resp,
+                ):
+                    assert resp.status == 200
             assert fake.hits["infer"] == 60
             assert fake.hits["metrics"] == 1  # the leader's scrape only
-            async with aiohttp.ClientSession() as s:
-                async with s.get(f"http://127.0.0.1:{ports['metrics']}/metrics") as resp:
-                    text = await resp.text()
+            metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
+            async with aiohttp.ClientSession() as s, s.get(metrics_url) as resp:
+                text = await resp.text()
             served = Counter[str]()
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
