@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
@@ -88,6 +89,19 @@ class HttpFrontend:
         # A callable, not a Runtime: the server outlives any one runtime object (tests and
         # reloads may hand it another).
         self._rt = runtime_ref
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    def _url(self, instance: Instance, path: str) -> URL:
+        """The absolute upstream URL, parsed once per (instance address, path): the client
+        would otherwise parse and join it on every request (about 6 µs, ``timeit``)."""
+        key = (instance.spec.http, path)
+        url = self._urls.get(key)
+        if url is None:
+            # What the session's base_url would make of it, computed once.
+            url = URL(instance.spec.http).join(URL(path))
+            if len(self._urls) < 4096:
+                self._urls[key] = url
+        return url
 
     def app(self, max_body_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
@@ -199,7 +213,7 @@ class HttpFrontend:
         session = rt.upstreams.session(instance)
         try:
             upstream = await session.request(
-                request.method, path, data=body or None, headers=headers
+                request.method, self._url(instance, path), data=body or None, headers=headers
             )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(str(exc)) from exc
