@@ -420,9 +420,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else None,
     )
     if not args.no_compare:
-        est = estimate_seconds(scenario, len(plans), len(args.scale))
+        n_arms = sum(len(workers) if p.kind == "proxy" else 1 for p in plans)
+        est = estimate_seconds(scenario, n_arms, len(args.scale))
         print(
-            f"bench: {len(plans)} arms x {scenario.repetitions} repetition(s) x "
+            f"bench: {n_arms} arms x {scenario.repetitions} repetition(s) x "
             f"{len(args.scale)} load factor(s), about {est / 60:.0f} min; results in {out}",
             flush=True,
         )
