@@ -54,6 +54,44 @@ def summarize(raw: Path, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def category(stack: str, protocol: str) -> str:
+    """Which part of the request path a collapsed stack belongs to (its outermost owner)."""
+    frames = stack.split(";")
+    if "_bootstrap" in frames[0] or ("Thread.run" in stack and "Runner.run" not in stack):
+        return "idle"  # gRPC's poller thread: py-spy samples it, /proc shows it uses no CPU
+    if protocol == "http":
+        if "HttpFrontend._exchange" in stack:
+            return "upstream exchange: aiohttp client + relaying the answer"
+        if "Dispatcher.run" in stack:
+            return "dispatch: classify, admission, placement, routing, in-flight, telemetry"
+        if "HttpFrontend" in stack:
+            return "frontend: route match, body read, headers, parameters"
+        if any(m in stack for m in ("web_protocol", "web_app", "web_response")):
+            return "aiohttp server: parse, request/response objects, write"
+        return "event loop (uvloop) and other"
+    if any(m in stack for m in ("GrpcUpstreams.unary", "UnaryUnaryCall", "grpc/aio/_channel")):
+        return "upstream call: grpc.aio client"
+    if "Dispatcher.run" in stack:
+        return "dispatch: classify, admission, placement, routing, in-flight, telemetry"
+    if "GrpcFrontend" in stack or "_guard" in stack:
+        return "frontend: read_infer, metadata"
+    return "event loop + gRPC core (C, no Python frame) and other"
+
+
+def breakdown(raw: Path, protocol: str) -> str:
+    """Share of the non-idle samples per part of the request path."""
+    parts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if stack:
+            parts[category(stack, protocol)] += int(count_s)
+    idle = parts.pop("idle", 0)
+    busy = sum(parts.values()) or 1
+    lines = [f"by part ({busy} busy samples, {idle} idle-thread samples left out):"]
+    lines += [f"  {100 * n / busy:5.1f}%  {name}" for name, n in parts.most_common()]
+    return "\n".join(lines)
+
+
 def _where(frame: str) -> str:
     inside = frame.split(" (", 1)[1].rstrip(")") if " (" in frame else ""
     path = inside.rsplit(":", 1)[0]
@@ -99,7 +137,7 @@ async def profile(args: argparse.Namespace, servers: list, work: Path, out: Path
                         send, 16, args.seconds + 1.0, warmup_s=0.5
                     )
                 await asyncio.to_thread(spy.wait)
-                text = summarize(raw)
+                text = breakdown(raw, protocol) + "\n" + summarize(raw)
                 head = f"== {stem}: {len(lat) / secs:.0f} req/s at c=16, {errors} errors"
                 (out / f"{stem}.summary.txt").write_text(head + "\n" + text + "\n")
                 print(head + "\n" + text + "\n", flush=True)
