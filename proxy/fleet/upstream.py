@@ -47,6 +47,9 @@ class HttpUpstreams:
             # Bytes travel as the server sent them: the client decompresses, not us.
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            # One pool serves every client: a cookie one response set must never ride on
+            # another client's request (and no jar is consulted on the hot path).
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._sessions[instance.name] = (instance.spec.http, s)
         return s
