@@ -270,8 +270,13 @@ async def proxy_subprocess(
     start_timeout_s: float = 30.0,
     *,
     workers: int = 1,
+    root: Path = ROOT,
 ) -> AsyncIterator[ProxyEndpoints]:
-    """``triton-proxy serve`` on ``doc`` in a child process; yields its endpoints once ready."""
+    """``triton-proxy serve`` on ``doc`` in a child process; yields its endpoints once ready.
+
+    ``root``: the checkout whose ``proxy`` package runs (``python -m`` imports from the working
+    directory), e.g. an older commit to compare with in the same run.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     stem = name.replace("+", "_")
     policy = workdir / f"{stem}.yaml"
@@ -288,7 +293,7 @@ async def proxy_subprocess(
             *(["--workers", str(workers)] if workers != 1 else []),
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
-            cwd=str(ROOT),
+            cwd=str(root),
             preexec_fn=_die_with_parent(),
         )
         try:
@@ -422,6 +427,7 @@ def build_arm(
     mode: ProxyMode = "subprocess",
     name: str | None = None,
     workers: int = 1,
+    root: Path = ROOT,
 ) -> ArmSpec:
     """An :class:`ArmSpec` for ``plan`` over ``servers``; nothing starts until it is opened."""
     if workers != 1 and mode != "subprocess":
@@ -452,7 +458,7 @@ def build_arm(
     @contextlib.asynccontextmanager
     async def start_proxy() -> AsyncIterator[str]:
         ctx = (
-            proxy_subprocess(doc, workdir / "proxy", arm_name, workers=workers)
+            proxy_subprocess(doc, workdir / "proxy", arm_name, workers=workers, root=root)
             if mode == "subprocess"
             else proxy_inprocess(doc)
         )

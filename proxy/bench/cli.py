@@ -69,6 +69,7 @@ OVERHEAD_MODEL = ModelSpec(
 OVERHEAD_TOKENS = 16
 OVERHEAD_ARMS = ("haproxy_leastconn", "proxy_least_requests", "proxy_least_requests+classes")
 INPROCESS_SUFFIX = " (in-process)"
+BASE_SUFFIX = " @base"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -132,6 +133,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--workers",
         default="1",
         help="comma list of proxy worker counts; each proxy arm runs once per count",
+    )
+    b.add_argument(
+        "--baseline-tree",
+        default=None,
+        metavar="DIR",
+        help="also run every proxy arm from this checkout (e.g. `git archive <commit>` "
+        "unpacked), named '<arm> @base', to compare two revisions in one run",
     )
     b.add_argument(
         "--routing",
@@ -420,7 +428,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else None,
     )
     if not args.no_compare:
-        n_arms = sum(len(workers) if p.kind == "proxy" else 1 for p in plans)
+        per_proxy = len(workers) + (1 if args.baseline_tree else 0)
+        n_arms = sum(per_proxy if p.kind == "proxy" else 1 for p in plans)
         est = estimate_seconds(scenario, n_arms, len(args.scale))
         print(
             f"bench: {n_arms} arms x {scenario.repetitions} repetition(s) x "
@@ -473,6 +482,20 @@ async def _bench(
             for p in plans
             for n in (args.workers_list if p.kind == "proxy" else (1,))
         ]
+        if args.baseline_tree:
+            arms += [
+                build_arm(
+                    p,
+                    servers,
+                    scenario,
+                    model=scenario.model,
+                    workdir=work,
+                    name=p.name + BASE_SUFFIX,
+                    root=Path(args.baseline_tree),
+                )
+                for p in plans
+                if p.kind == "proxy"
+            ]
         reports: list[tuple[float, Report]] = []
         note = device_note(scenario)
         for scale in args.scale:
@@ -586,13 +609,18 @@ async def _closed(
             ),
             _ready_arm("direct grpc", ClosedTarget("grpc", tuple(grpc_addresses))),
         ]
+        variants: list[tuple[int, str, Path]] = [
+            (n, worker_suffix(n), ROOT) for n in args.workers_list
+        ]
+        if args.baseline_tree:
+            variants.append((1, BASE_SUFFIX, Path(args.baseline_tree)))
         for name in ("proxy_least_requests", "proxy_least_requests+classes"):
             plan = CATALOG[name]
             doc = proxy_policy(servers, plan, scenario, grpc_addresses=grpc_addresses)
-            for n in args.workers_list:
-                label = name + worker_suffix(n)
+            for n, suffix, root in variants:
+                label = name + suffix
                 ep = await stack.enter_async_context(
-                    proxy_subprocess(doc, work / "proxy-closed", label, workers=n)
+                    proxy_subprocess(doc, work / "proxy-closed", label, workers=n, root=root)
                 )
                 pids = (ep.pid,) if ep.pid else ()
                 arms.append(
