@@ -24,7 +24,7 @@ from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
 from proxy.strict import ConfigError
 from proxy.telemetry import Telemetry, merge_workers
-from proxy.workers import WorkerRole
+from proxy.workers import WorkerRole, with_ports
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class ProxyServer:
             return False
         try:
             config = self.policy_loader(self.policy_path)
+            if self.role is not None:
+                config = self._ports_chosen_for_workers(config)
             restart_only = await self.runtime.apply(config)
         except (ConfigError, ValueError) as exc:
             self.telemetry.reloads.labels("error").inc()
@@ -103,6 +105,13 @@ class ProxyServer:
         if restart_only:
             log.warning("changed sections that need a restart: %s", ", ".join(restart_only))
         return True
+
+    def _ports_chosen_for_workers(self, config: ProxyConfig) -> ProxyConfig:
+        """A port the file leaves at 0 is the one the supervisor picked for every worker."""
+        listen, running = config.listen, self.config.listen
+        http = running.http_port if listen.http_port == 0 else listen.http_port
+        grpc_port = running.grpc_port if listen.grpc_port == 0 else listen.grpc_port
+        return with_ports(config, http, grpc_port)
 
     async def _watch_policy(self) -> None:
         """Reload on SIGHUP or when the policy file changes on disk."""

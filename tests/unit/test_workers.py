@@ -189,3 +189,63 @@ async def test_two_workers_share_the_port_and_the_scrape(tmp_path):
         finally:
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_workers_reload_on_sighup_and_a_dead_worker_is_replaced(tmp_path):
+    async with fake_triton() as (_fake, url):
+        policy = tmp_path / "policy.yaml"
+        doc = {
+            "instances": [{"name": "t0", "http": url}],
+            "listen": {"host": "127.0.0.1", "http_port": 0, "metrics_port": 0},
+        }
+        policy.write_text(yaml.safe_dump(doc))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--workers",
+            "2",
+            "--policy",
+            str(policy),
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+
+        async def wait_for(text: str) -> list[str]:
+            seen: list[str] = []
+            while not any(text in line for line in seen):
+                line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+                assert line, f"the proxy exited before {text!r}: {seen}"
+                seen.append(line)
+            return seen
+
+        try:
+            await _banner(proc)
+            doc["routing"] = {"policy": {"name": "round_robin"}}
+            policy.write_text(yaml.safe_dump(doc))
+            proc.send_signal(signal.SIGHUP)
+            lines = await wait_for("policy reloaded")
+            lines += await wait_for("policy reloaded")  # both workers
+            # Ports the file leaves at 0 are the ones picked at start: no restart needed.
+            assert not any("need a restart" in line for line in lines), lines
+            workers = [
+                int(p)
+                for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            ]
+            assert len(workers) == 2
+            os.kill(workers[1], signal.SIGKILL)
+            await wait_for("restarting it")
+            for _ in range(100):
+                now = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if len(now) == 2 and str(workers[1]) not in now:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the dead worker was not replaced")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
