@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import aiohttp
 
+from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.http1 import Http1Pool
 from proxy.fleet.instances import Fleet, Instance
 
-
-class UpstreamConnectError(Exception):
-    """No byte of the request reached the instance: safe to retry elsewhere."""
-
-
-class UpstreamLostError(Exception):
-    """The instance received the request, then the connection broke: not retried."""
+__all__ = ["HttpUpstreams", "UpstreamConnectError", "UpstreamLostError"]
 
 
 class HttpUpstreams:
@@ -28,11 +24,29 @@ class HttpUpstreams:
     ) -> None:
         self.fleet = fleet
         self._connections = connections_per_instance
+        self._connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout_s, sock_connect=connect_timeout_s
         )
         self._sessions: dict[str, tuple[str, aiohttp.ClientSession]] = {}
         """instance name -> (base URL, its pool)"""
+        self._pools: dict[str, tuple[str, Http1Pool]] = {}
+        """instance name -> (base URL, its HTTP/1.1 pool for non-streaming requests)"""
+
+    def pool(self, instance: Instance) -> Http1Pool | None:
+        """The lean pool for non-streaming requests (proxy.fleet.http1); None for https://
+        instances, which keep aiohttp's client."""
+        entry = self._pools.get(instance.name)
+        if entry is not None and entry[0] == instance.spec.http and not entry[1].closed:
+            return entry[1]
+        if not instance.spec.http.startswith("http://"):
+            return None
+        if entry is not None:
+            entry[1].close()
+        pool = Http1Pool(instance.spec.http, self._connections, self._connect_timeout_s)
+        self._pools[instance.name] = (instance.spec.http, pool)
+        return pool
 
     def session(self, instance: Instance) -> aiohttp.ClientSession:
         entry = self._sessions.get(instance.name)
@@ -55,12 +69,14 @@ class HttpUpstreams:
         return s
 
     def open_connections(self, instance: Instance) -> int:
+        """Connections carrying a request to ``instance`` right now (both clients)."""
+        pooled = self._pools.get(instance.name)
+        busy = pooled[1].in_use if pooled is not None else 0
         entry = self._sessions.get(instance.name)
         if entry is None or entry[1].closed or entry[1].connector is None:
-            return 0
-        s = entry[1]
+            return busy
         # Acquired sockets are the ones carrying a request right now.
-        return len(getattr(s.connector, "_acquired", ()))
+        return busy + len(getattr(entry[1].connector, "_acquired", ()))
 
     async def retire(self, keep: set[str]) -> None:
         """Close the pools of instances no longer in the fleet (or whose address changed)."""
@@ -69,8 +85,16 @@ class HttpUpstreams:
             if name not in keep or inst is None or url != inst.spec.http:
                 del self._sessions[name]
                 await session.close()
+        for name, (url, pool) in list(self._pools.items()):
+            inst = self.fleet.instances.get(name)
+            if name not in keep or inst is None or url != inst.spec.http:
+                del self._pools[name]
+                pool.close()
 
     async def close(self) -> None:
         for _, s in self._sessions.values():
             await s.close()
         self._sessions.clear()
+        for _, pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

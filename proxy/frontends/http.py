@@ -20,6 +20,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.errors import Code, ProxyError, error_body
+from proxy.fleet.http1 import Http1Pool
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
 from proxy.frontends import routes
@@ -210,6 +211,9 @@ class HttpFrontend:
         """Send one request for ``path`` (built by the route table) to ``instance`` and relay
         its answer to the client."""
         rt = self._rt()
+        pool = None if stream else rt.upstreams.pool(instance)
+        if pool is not None:
+            return await self._exchange_http1(instance, pool, request.method, path, body, headers)
         session = rt.upstreams.session(instance)
         try:
             upstream = await session.request(
@@ -243,6 +247,27 @@ class HttpFrontend:
                 return response
             await response.write_eof()
             return response
+
+    async def _exchange_http1(
+        self,
+        instance: Instance,
+        pool: Http1Pool,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+    ) -> web.Response:
+        """A non-streaming exchange through the lean HTTP/1.1 pool (proxy.fleet.http1)."""
+        rt = self._rt()
+        timeout = rt.upstreams.request_timeout_s
+        try:
+            answer = await pool.request(method, path, list(headers.items()), body, timeout)
+        except TimeoutError as exc:
+            raise UpstreamLostError(f"no answer within {timeout:g} s") from exc
+        if answer.status >= 500:
+            rt.health.check_soon(instance)
+        out = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP)
+        return web.Response(status=answer.status, body=answer.body, headers=out)
 
     # --- everything else ------------------------------------------------------------------
     async def relay(self, request: web.Request, route: Route) -> web.StreamResponse:
