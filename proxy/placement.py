@@ -36,7 +36,7 @@ class FleetPlacement:
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
         out = []
-        for inst in self.fleet.healthy():
+        for inst in self.fleet.serving(model):
             if inst.name in exclude:
                 continue
             out.append(

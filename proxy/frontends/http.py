@@ -16,10 +16,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.dispatch import Call
+from proxy.budget import Hold
+from proxy.dispatch import Call, ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import http_failure
 from proxy.frontends.common import (
     SHARED_MEMORY_MESSAGE,
     SharedMemoryAction,
@@ -56,6 +57,9 @@ _SHARED_MEMORY_ACTIONS: dict[str, SharedMemoryAction] = {
     "register": "register",
     "unregister": "unregister",
 }
+
+
+_BODY_HOLD = web.RequestKey("body_hold", Hold)
 
 
 def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -114,6 +118,10 @@ class HttpFrontend:
                     "limits.max_body_bytes in the proxy's policy file to increase the limit.",
                 )
             )
+        finally:
+            hold = request.get(_BODY_HOLD)
+            if hold is not None:
+                hold.release()
 
     # --- health ---------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
@@ -121,14 +129,26 @@ class HttpFrontend:
 
     async def ready(self, request: web.Request) -> web.Response:
         # Triton answers 400 (with an empty body) when not ready.
-        return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+        return web.Response(status=200 if self._rt().ready() else 400)
 
     # --- inference ------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._rt().config.limits.max_body_bytes
+        """The whole body, held against the byte budget until the request ends."""
+        rt = self._rt()
+        limit = rt.config.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        return await request.read()
+        # Released by the middleware, whatever way the request ends.
+        hold = request[_BODY_HOLD] = rt.budget.hold(request.content_length or 0)
+        if request.content_length is not None:
+            return await request.read()
+        chunks: list[bytes] = []
+        async for chunk in request.content.iter_chunked(1 << 16):
+            if hold.nbytes + len(chunk) > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
+            hold.grow(len(chunk))
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _call(self, request: web.Request, body: bytes) -> Call:
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -167,7 +187,9 @@ class HttpFrontend:
                 if length is not None:
                     hdrs = headers.copy()
                     hdrs[HEADER_LENGTH] = length
-            return await self._exchange(instance, request, data, hdrs, stream=stream)
+            return await self._exchange(
+                instance, request, data, hdrs, stream=stream, dispatched=True
+            )
 
         return await self._rt().dispatcher.run(
             call, send, stream=stream, outcome=lambda r: str(r.status)
@@ -181,42 +203,61 @@ class HttpFrontend:
         headers: CIMultiDict[str],
         *,
         stream: bool = False,
+        dispatched: bool = False,
     ) -> web.StreamResponse:
-        """Send one request to ``instance`` and relay its answer to the client."""
+        """Send one request to ``instance`` and relay its answer to the client.
+
+        ``dispatched``: an inference request, whose "unknown model" answer from this one
+        instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
+        """
         rt = self._rt()
-        session = rt.upstreams.session(instance)
-        try:
-            upstream = await session.request(
-                request.method, request.rel_url.path_qs, data=body or None, headers=headers
-            )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamConnectError(str(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamLostError(str(exc)) from exc
-        async with upstream:
-            if upstream.status >= 500:
-                rt.health.check_soon(instance)
-            out_headers = _forward_headers(upstream.headers)
-            if not stream:
-                try:
-                    data = await upstream.read()
-                except aiohttp.ClientPayloadError as exc:
-                    raise UpstreamLostError(str(exc)) from exc
-                return web.Response(status=upstream.status, body=data, headers=out_headers)
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
+        with rt.upstreams.using(instance) as session:
             try:
-                # Relay each chunk as it arrives: server-sent events must not be buffered.
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except aiohttp.ClientPayloadError as exc:
-                # Headers are sent, so no error response can follow: the client sees the
-                # stream cut short, as it would from the server itself.
-                log.warning("stream from %s broke off: %s", instance.name, exc)
-                rt.health.check_soon(instance)
-                return response
-            await response.write_eof()
+                upstream = await session.request(
+                    request.method, request.rel_url.path_qs, data=body or None, headers=headers
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise http_failure(exc, before_response=True) from exc
+            async with upstream:
+                return await self._relay_answer(
+                    instance, request, upstream, stream=stream, dispatched=dispatched
+                )
+
+    async def _relay_answer(
+        self,
+        instance: Instance,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        *,
+        stream: bool,
+        dispatched: bool,
+    ) -> web.StreamResponse:
+        if upstream.status >= 500:
+            self._rt().health.check_soon(instance)
+        out_headers = _forward_headers(upstream.headers)
+        if not stream or upstream.status >= 400:
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise http_failure(exc, before_response=False) from exc
+            answer = web.Response(status=upstream.status, body=data, headers=out_headers)
+            if dispatched and upstream.status in (400, 404) and says_model_absent(str(data)):
+                raise ModelAbsentError(data.decode(errors="replace"), answer)
+            return answer
+        response = web.StreamResponse(status=upstream.status, headers=out_headers)
+        await response.prepare(request)
+        try:
+            # Relay each chunk as it arrives: server-sent events must not be buffered.
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, TimeoutError) as exc:
+            # Headers are sent, so no error response can follow: the client sees the
+            # stream cut short, as it would from the server itself.
+            log.warning("stream from %s broke off: %s", instance.name, exc)
+            self._rt().health.check_soon(instance)
             return response
+        await response.write_eof()
+        return response
 
     # --- everything else ------------------------------------------------------------------
     async def relay(self, request: web.Request) -> web.StreamResponse:
