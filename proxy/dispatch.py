@@ -15,6 +15,7 @@ only asks for an early probe: one slow answer does not eject an instance.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
@@ -22,11 +23,12 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
-from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.instances import Fleet, Instance, Work
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
+from proxy.scheduling.cost import CostModel
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -87,6 +89,7 @@ class Dispatcher:
         max_retries: int = 1,
         request_timeout_s: float | None = None,
         on_lost: Callable[[Instance], None] = lambda _: None,
+        costs: CostModel | None = None,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -100,6 +103,8 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.on_lost = on_lost
         """Called when a connection to an instance failed or broke (reset its pool)."""
+        self.costs = costs if costs is not None else CostModel()
+        """Per-model request costs and service-time curves, learned from this traffic."""
 
     def reconfigure(
         self,
@@ -139,12 +144,19 @@ class Dispatcher:
         try:
             info = await self.catalog.info(call.model)
             if info is None:
-                raise ProxyError(
-                    Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
-                )
-            model_label = call.model
+                if admit:
+                    raise ProxyError(
+                        Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
+                    )
+                # A stream whose first message names an unknown model: Triton answers that
+                # message in the stream, as it would without the proxy; placement keys its
+                # state by "other", never by the invented name.
+                call = dataclasses.replace(call, model=OTHER_MODEL)
+            else:
+                model_label = call.model
+                self.costs.observe_cost(call.model, call.cost)
             seq = call.params.sequence_id
-            if seq is not None:
+            if seq is not None and info is not None:
                 problem = info.sequence_id_problem(seq)
                 if problem is not None:
                     raise ProxyError(
@@ -152,11 +164,14 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None or not admit:
-                instance, result = await self._send(call, None, send, stream)
+            batch = info.max_batch_size if info is not None else 1
+            if self.admission is None or not admit or info is None:
+                placing = self._placing(call, klass, None, batch)
+                instance, result = await self._send(call, None, send, stream, placing)
             else:
                 async with self.admission.admit(call.model, info, klass) as priority:
-                    instance, result = await self._send(call, priority, send, stream)
+                    placing = self._placing(call, klass, priority, batch)
+                    instance, result = await self._send(call, priority, send, stream, placing)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -170,16 +185,51 @@ class Dispatcher:
             self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
             self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
 
+    def _placing(
+        self, call: Call, klass: str, priority: int | None, batch: int
+    ) -> tuple[RouteRequest, Work]:
+        """What placement needs to know about the request, and how to count it in flight."""
+        cap = None
+        if self.admission is not None:
+            cls = self.admission.config.classes.get(klass)
+            cap = cls.max_per_instance if cls is not None else None
+        long = cap is not None or self.costs.is_long(call.model, call.cost)
+        level = priority or 0
+        request = RouteRequest(
+            model=call.model,
+            session_key=call.session_key,
+            cost=call.cost,
+            class_name=klass,
+            level=level if priority is not None else None,
+            long=long,
+            class_cap=cap,
+            batch=max(1, batch),
+        )
+        return request, Work(class_name=klass, level=level, long=long)
+
     async def _send(
-        self, call: Call, priority: int | None, send: Send[T], stream: bool
+        self,
+        call: Call,
+        priority: int | None,
+        send: Send[T],
+        stream: bool,
+        placing: tuple[RouteRequest, Work],
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
+        request, work = placing
         while True:
-            instance = self._place(call, frozenset(tried))
+            instance = self._place(call, request, frozenset(tried))
             try:
-                with self.fleet.track(instance, call.model, stream=stream):
+                # Ran alone: no other request of the model on the instance when it was sent
+                # nor when it finished, so its time is one batch of itself (the cost model).
+                alone = not instance.model_in_flight.get(call.model)
+                sent_at = time.perf_counter()
+                with self.fleet.track(instance, call.model, stream=stream, work=work):
                     result = await send(instance, priority)
+                    alone = alone and instance.model_in_flight.get(call.model) == 1
+                if alone and not stream:
+                    self.costs.observe_alone(call.model, call.cost, time.perf_counter() - sent_at)
             except UpstreamConnectError as exc:
                 self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)
                 if self._continues_sequence(call):
@@ -294,7 +344,7 @@ class Dispatcher:
         info = await self.catalog.info(call.model)
         return info is not None and not info.decoupled
 
-    def _place(self, call: Call, exclude: frozenset[str]) -> Instance:
+    def _place(self, call: Call, request: RouteRequest, exclude: frozenset[str]) -> Instance:
         seq = call.params.sequence_id
         if seq is not None and not call.params.sequence_start:
             name = self.affinity.lookup(call.model, seq)
@@ -313,7 +363,6 @@ class Dispatcher:
                     f"by triton-proxy: the Triton instance holding the sequence {why}; its "
                     "state is gone, start the sequence again (sequence_start)",
                 )
-        request = RouteRequest(model=call.model, session_key=call.session_key, cost=call.cost)
         picked = self.placement.pick(request, exclude)
         if picked is None:
             down = ", ".join(

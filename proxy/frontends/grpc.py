@@ -37,6 +37,7 @@ from proxy.frontends.kserve_grpc import read_infer, with_parameter
 from proxy.frontends.routes import check_model_name
 from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import grpc_cost
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,11 @@ class GrpcFrontend:
         check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
-            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+            model=model,
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+            cost=grpc_cost(request),
         )
 
     async def _unary(

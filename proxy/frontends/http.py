@@ -31,10 +31,17 @@ from proxy.frontends.common import (
     check_admin,
     shared_memory_call,
 )
-from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameter
+from proxy.frontends.kserve_http import (
+    HEADER_LENGTH,
+    decode_content,
+    json_header,
+    read_params,
+    with_parameter,
+)
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
 from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import http_cost
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +190,7 @@ class HttpFrontend:
             headers=call_headers,
             params=read_params(body, header_length),
             session_key=rt.session_key(call_headers),
+            cost=http_cost(json_header(body, header_length)) if infer else 1.0,
         )
         stream = route.kind is Kind.GENERATE_STREAM
 
