@@ -17,6 +17,7 @@ from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
@@ -44,6 +45,16 @@ class RetryGate(Protocol):
     def try_retry(self) -> bool: ...
 
 
+class _Trace:
+    """What one request's dispatch learnt on the way, for its :class:`RequestRecord`."""
+
+    __slots__ = ("alone", "queue_wait_s")
+
+    def __init__(self) -> None:
+        self.queue_wait_s = 0.0
+        self.alone = False
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -57,6 +68,7 @@ class Dispatcher:
         admission: ModelGates | None = None,
         classifier: Classifier | None = None,
         max_retries: int = 1,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -67,6 +79,8 @@ class Dispatcher:
         self.admission = admission
         self.classifier = classifier
         self.max_retries = max_retries
+        self.observer = observer
+        """Told once about every finished request (telemetry and controllers subscribe)."""
 
     def reconfigure(
         self,
@@ -100,6 +114,7 @@ class Dispatcher:
         model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
+        trace = _Trace()
         try:
             info = await self.catalog.info(call.model)
             if info is None:
@@ -117,10 +132,12 @@ class Dispatcher:
                         f"refused by triton-proxy: {problem}",
                     )
             if self.admission is None:
-                instance, result = await self._send(call, None, send, stream)
+                instance, result = await self._send(call, None, send, stream, trace)
             else:
+                queued_at = time.perf_counter()
                 async with self.admission.admit(call.model, info, klass) as priority:
-                    instance, result = await self._send(call, priority, send, stream)
+                    trace.queue_wait_s = time.perf_counter() - queued_at
+                    instance, result = await self._send(call, priority, send, stream, trace)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -131,19 +148,33 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
+            if self.observer is not None:
+                self.observer.on_request(
+                    RequestRecord(
+                        model=model_label,
+                        class_name=klass,
+                        instance=instance_name,
+                        outcome=result_label,
+                        latency_s=time.perf_counter() - began,
+                        queue_wait_s=trace.queue_wait_s,
+                        cost=call.cost,
+                        ran_alone=trace.alone,
+                        at=self.fleet.clock.now(),
+                    )
+                )
 
     async def _send(
-        self, call: Call, priority: int | None, send: Send[T], stream: bool
+        self, call: Call, priority: int | None, send: Send[T], stream: bool, trace: _Trace
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
         while True:
             instance = self._place(call, frozenset(tried))
             try:
+                alone = call.model not in instance.model_in_flight
                 with self.fleet.track(instance, call.model, stream=stream):
                     result = await send(instance, priority)
+                    trace.alone = alone and instance.model_in_flight[call.model] == 1
             except UpstreamLostError as exc:
                 self._failed(instance, f"connection lost: {exc}")
                 raise ProxyError(

@@ -37,7 +37,7 @@ class FleetPlacement:
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
         out = []
         for inst in self.fleet.healthy():
-            if inst.name in exclude:
+            if inst.name in exclude or model in inst.draining:
                 continue
             out.append(
                 Candidate(

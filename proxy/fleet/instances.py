@@ -69,6 +69,9 @@ class Instance:
     last_answer_at: float = float("-inf")
     """Clock time of the instance's last answer to a forwarded request."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
+    draining: set[str] = field(default_factory=set)
+    """Models whose new requests placement keeps off this instance (a drained reload is under
+    way); requests already in flight finish here."""
 
     @property
     def name(self) -> str:

@@ -101,14 +101,19 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
-    def share_limit(self, capacity: int) -> int:
+    def share_limit(self, capacity: int, scale: float = 1.0) -> int:
         """Most slots this class may hold out of ``capacity`` (max_share and max_concurrency).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
+        ``scale`` (the class-limit loop's factor, <= 1) multiplies ``max_share`` but never takes
+        the limit below the class's ``min_share`` reservation.
         """
         limit = capacity
-        if self.max_share < 1.0:
-            limit = max(1, math.floor(self.max_share * capacity + 1e-9))
+        share = self.max_share * scale
+        if share < 1.0:
+            limit = max(1, math.floor(share * capacity + 1e-9))
+            if scale < 1.0:
+                limit = max(limit, math.floor(self.min_share * capacity + 1e-9))
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
         return limit

@@ -87,6 +87,16 @@ class ClassQueues(Generic[T]):
         self._total_in_flight = 0
         self._total_queued = 0
         self._seq = 0
+        self._scale: dict[str, float] = {}
+
+    def set_share_scale(self, class_name: str, factor: float) -> None:
+        """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"share scale must be in (0, 1], got {factor}")
+        self._scale[class_name] = factor
+
+    def _limit(self, name: str, capacity: int) -> int:
+        return self._config.classes[name].share_limit(capacity, self._scale.get(name, 1.0))
 
     @property
     def config(self) -> SchedulingConfig:
@@ -177,7 +187,9 @@ class ClassQueues(Generic[T]):
                 continue
             cls = self._config.classes[name]
             held = self._in_flight.get(name, 0)
-            short = min(cls.reserved(capacity) - held, len(queue), cls.share_limit(capacity) - held)
+            short = min(
+                cls.reserved(capacity) - held, len(queue), self._limit(name, capacity) - held
+            )
             if short > 0:
                 reserved[name] = short
         total_reserved = sum(reserved.values())
@@ -185,7 +197,7 @@ class ClassQueues(Generic[T]):
             name
             for name, queue in self._queues.items()
             if queue
-            and self._in_flight.get(name, 0) < self._config.classes[name].share_limit(capacity)
+            and self._in_flight.get(name, 0) < self._limit(name, capacity)
             and (name in reserved or free > total_reserved)
         ]
         if not eligible:
