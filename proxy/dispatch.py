@@ -25,6 +25,7 @@ from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, Instance, Work
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
+from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
@@ -74,6 +75,18 @@ class RetryGate(Protocol):
     def try_retry(self) -> bool: ...
 
 
+class _Trace:
+    """What one request's dispatch learnt on the way, for its :class:`RequestRecord`."""
+
+    __slots__ = ("alone", "inside_s", "queue_wait_s")
+
+    def __init__(self) -> None:
+        self.queue_wait_s = 0.0
+        self.alone = False
+        self.inside_s = 0.0
+        """Time from sending to the instance to its answer."""
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -90,6 +103,7 @@ class Dispatcher:
         request_timeout_s: float | None = None,
         on_lost: Callable[[Instance], None] = lambda _: None,
         costs: CostModel | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -105,6 +119,8 @@ class Dispatcher:
         """Called when a connection to an instance failed or broke (reset its pool)."""
         self.costs = costs if costs is not None else CostModel()
         """Per-model request costs and service-time curves, learned from this traffic."""
+        self.observer = observer
+        """Told once about every finished request (telemetry and controllers subscribe)."""
 
     def reconfigure(
         self,
@@ -141,6 +157,7 @@ class Dispatcher:
         model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
+        trace = _Trace()
         try:
             info = await self.catalog.info(call.model)
             if info is None:
@@ -167,11 +184,15 @@ class Dispatcher:
             batch = info.max_batch_size if info is not None else 1
             if self.admission is None or not admit or info is None:
                 placing = self._placing(call, klass, None, batch)
-                instance, result = await self._send(call, None, send, stream, placing)
+                instance, result = await self._send(call, None, send, stream, placing, trace)
             else:
+                queued_at = time.perf_counter()
                 async with self.admission.admit(call.model, info, klass) as priority:
+                    trace.queue_wait_s = time.perf_counter() - queued_at
                     placing = self._placing(call, klass, priority, batch)
-                    instance, result = await self._send(call, priority, send, stream, placing)
+                    instance, result = await self._send(
+                        call, priority, send, stream, placing, trace
+                    )
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -182,8 +203,20 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
+            if self.observer is not None:
+                self.observer.on_request(
+                    RequestRecord(
+                        model=model_label,
+                        class_name=klass,
+                        instance=instance_name,
+                        outcome=result_label,
+                        latency_s=time.perf_counter() - began,
+                        queue_wait_s=trace.queue_wait_s,
+                        cost=call.cost,
+                        ran_alone=trace.alone,
+                        at=self.fleet.clock.now(),
+                    )
+                )
 
     def _placing(
         self, call: Call, klass: str, priority: int | None, batch: int
@@ -214,6 +247,7 @@ class Dispatcher:
         send: Send[T],
         stream: bool,
         placing: tuple[RouteRequest, Work],
+        trace: _Trace,
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
@@ -227,9 +261,16 @@ class Dispatcher:
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
                     result = await send(instance, priority)
-                    alone = alone and instance.model_in_flight.get(call.model) == 1
-                if alone and not stream:
-                    self.costs.observe_alone(call.model, call.cost, time.perf_counter() - sent_at)
+                    trace.alone = alone and instance.model_in_flight.get(call.model) == 1
+                    in_flight = instance.model_in_flight.get(call.model, 0)
+                trace.inside_s = time.perf_counter() - sent_at
+                if not stream:
+                    if trace.alone:
+                        self.costs.observe_alone(call.model, call.cost, trace.inside_s)
+                    if self.admission is not None:
+                        self.admission.observe_inside(
+                            instance.name, call.model, work.class_name, trace.inside_s, in_flight
+                        )
             except UpstreamConnectError as exc:
                 self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)
                 if self._continues_sequence(call):

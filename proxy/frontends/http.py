@@ -22,12 +22,12 @@ from proxy.budget import Hold
 from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
 from proxy.fleet.upstream import http_failure
 from proxy.frontends import routes
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
@@ -300,19 +300,27 @@ class HttpFrontend:
         rt = self._rt()
         body = await self._read_body(request)
         headers = _forward_headers(request.headers, rt.private_headers)
-        answers: list[tuple[str, int, bytes]] = []
-        for instance in rt.fleet.all():
+
+        async def one(instance: Instance) -> tuple[int, bytes]:
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
                     request.method, route.upstream_path, data=body or None, headers=headers
                 ) as resp:
-                    answers.append((instance.name, resp.status, await resp.read()))
+                    status, data = resp.status, await resp.read()
             except aiohttp.ClientError as exc:
-                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}")))
-        failed = [a for a in answers if a[1] >= 400]
-        name, status, data = failed[0] if failed else answers[0]
-        if failed and len(answers) > 1:
-            message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
-            data = error_body(admin_failure_message(message, name, len(failed), len(answers)))
+                raise InstanceFailure(503, f"{instance.name}: {exc}") from exc
+            if status >= 400:
+                message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
+                raise InstanceFailure(status, message, raw=data)
+            return status, data
+
+        fan = await to_every_instance(rt.fleet.all(), one)
+        failed = fan.failure()
+        if failed is None:
+            status, data = fan.answers[0][1]
+        else:
+            first, message = failed
+            status = first.code
+            data = first.raw if fan.total == 1 and first.raw is not None else error_body(message)
         return web.Response(status=status, body=data, content_type="application/json")

@@ -189,6 +189,12 @@ class Gate:
         """Expire timed-out waiters and dispatch as capacity allows; call when capacity grows."""
         self._pump()
 
+    def set_share_scale(self, class_name: str, factor: float) -> None:
+        """The class-limit loop's multiplier on ``class_name``'s ``max_share``; a raise may
+        let waiters through at once."""
+        self._core.set_share_scale(class_name, factor)
+        self.poke()
+
     def reconfigure(self, config: SchedulingConfig) -> None:
         """Swap in a reloaded section; waiters and in-flight slots carry over."""
         self._core.reconfigure(config)

@@ -88,6 +88,18 @@ class ClassQueues(Generic[T]):
         self._total_queued = 0
         self._seq = 0
         self._top_rank = min(c.rank for c in config.classes.values())
+        self._scale: dict[str, float] = {}
+
+    def set_share_scale(self, class_name: str, factor: float) -> None:
+        """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"share scale must be in (0, 1], got {factor}")
+        self._scale[class_name] = factor
+
+    def _limit(self, name: str, capacity: int, instances: int) -> int:
+        return self._config.classes[name].share_limit(
+            capacity, instances, self._scale.get(name, 1.0)
+        )
 
     @property
     def config(self) -> SchedulingConfig:
@@ -180,7 +192,7 @@ class ClassQueues(Generic[T]):
                 continue
             cls = self._config.classes[name]
             held = self._in_flight.get(name, 0)
-            limit = cls.share_limit(capacity, instances)
+            limit = self._limit(name, capacity, instances)
             short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
             if short > 0:
                 reserved[name] = short
@@ -189,8 +201,7 @@ class ClassQueues(Generic[T]):
             name
             for name, queue in self._queues.items()
             if queue
-            and self._in_flight.get(name, 0)
-            < self._config.classes[name].share_limit(capacity, instances)
+            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances)
             and (name in reserved or free > total_reserved)
         ]
         if not eligible:
