@@ -440,6 +440,7 @@ def _shed_error(model: str, shed: Shed) -> ProxyError:
         ShedReason.QUEUE_FULL: "its class queue is full",
         ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
         ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
+        ShedReason.LATE: "it would be answered after its class's slo_p99_ms",
     }.get(shed.reason, shed.reason.value)
     return ProxyError(
         Code.RESOURCE_EXHAUSTED,

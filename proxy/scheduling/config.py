@@ -231,6 +231,10 @@ class SchedulingConfig:
     concurrency: int | None = None
     """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
     or :func:`derive_concurrency` from the model when that is disabled."""
+    shed_late: bool = True
+    """Deadline admission: shed at once a request of a class with ``slo_p99_ms`` that is
+    predicted to be answered after it, instead of serving it late
+    (:mod:`proxy.scheduling.lateness`)."""
     adaptive_concurrency: AdaptiveConcurrencyConfig = field(
         default_factory=AdaptiveConcurrencyConfig
     )

@@ -17,6 +17,7 @@ from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.gate import Gate, GateObserver
+from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
 
 
@@ -86,6 +87,9 @@ class ModelGates:
     ) -> str | None:
         """One answered request's time inside Triton; feeds adaptive concurrency."""
         info = self._infos.get(model)
+        gate = self.gates.get(model)
+        if gate is not None and gate.lateness is not None:
+            gate.lateness.observe_inside(class_name, inside_s)
         if self.adaptive is None or info is None:
             return None
         per_batch = max(1, info.max_batch_size) * max(1, info.model_instances)
@@ -114,6 +118,7 @@ class ModelGates:
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
+                lateness=LatenessPredictor() if self.config.shed_late else None,
             )
         return gate
 
@@ -134,6 +139,11 @@ class ModelGates:
             gate.poke()
 
     def reconfigure(self, config: SchedulingConfig) -> None:
+        for gate in self.gates.values():
+            if config.shed_late and gate.lateness is None:
+                gate.lateness = LatenessPredictor()
+            elif not config.shed_late:
+                gate.lateness = None
         if (
             config.adaptive() != self.config.adaptive()
             or config.adaptive_concurrency != self.config.adaptive_concurrency

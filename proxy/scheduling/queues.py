@@ -48,6 +48,8 @@ class ShedReason(enum.StrEnum):
     OVERLOAD = "overload"
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
+    LATE = "late"
+    """Predicted (or already certain) to be answered after its class's SLO."""
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +113,13 @@ class ClassQueues(Generic[T]):
             return self._total_queued
         q = self._queues.get(class_name)
         return len(q) if q is not None else 0
+
+    def queued_ahead(self, class_name: str) -> int:
+        """Requests queued in ``class_name`` and in more important classes (lower rank)."""
+        rank = self._config.classes[class_name].rank
+        return sum(
+            len(q) for name, q in self._queues.items() if self._config.classes[name].rank <= rank
+        )
 
     def in_flight(self, class_name: str | None = None) -> int:
         """Requests dispatched and not yet released, in one class or (None) in all."""
