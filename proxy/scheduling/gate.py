@@ -221,10 +221,8 @@ class Gate:
             raise Shed(ShedReason.SHUTDOWN, config.retry_after_s, name)
         slo = config.classes[name].slo_p99_ms
         if self.lateness is not None and slo is not None:
-            predicted = self.lateness.predicted_s(
-                self._core.queued_ahead(name), name, self._clock.now()
-            )
-            if predicted is not None and predicted > slo / 1e3:
+            ahead = self._core.queued_ahead(name)
+            if self.lateness.shed_at_arrival(ahead, name, slo / 1e3, self._clock.now()):
                 self._observer.on_shed(name, ShedReason.LATE)
                 raise Shed(ShedReason.LATE, config.retry_after_s, name)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()

@@ -18,6 +18,9 @@ request is shed when ``predicted > slo``. Before ``min_dispatches`` dispatches i
 (a cold or idle gate) nothing is predicted and nothing shed. At dispatch, a request that has
 already waited ``slo - inside(class)`` is shed instead of sent: it would be answered late.
 
+Only waiting is ever blamed: when ``inside(class)`` alone exceeds the SLO (the model is slower
+than the objective, whatever the queue), nothing is shed, since shedding could not help.
+
 Pure: no clock of its own, every call takes ``now``.
 """
 
@@ -61,9 +64,18 @@ class LatenessPredictor:
             return None
         return ahead / rate + self.inside(class_name)
 
+    def shed_at_arrival(self, ahead: int, class_name: str, slo_s: float, now: float) -> bool:
+        """Whether a request arriving with ``ahead`` queued before it should be shed now."""
+        if self.inside(class_name) >= slo_s:
+            return False
+        predicted = self.predicted_s(ahead, class_name, now)
+        return predicted is not None and predicted > slo_s
+
     def late(self, waited_s: float, class_name: str, slo_s: float) -> bool:
-        """Whether a request that waited ``waited_s`` would be answered after ``slo_s``."""
-        return waited_s + self.inside(class_name) > slo_s
+        """Whether a request that waited ``waited_s`` would be answered after ``slo_s``
+        because of that wait."""
+        inside = self.inside(class_name)
+        return inside < slo_s < waited_s + inside
 
     def _trim(self, now: float) -> None:
         horizon = now - self.window_s

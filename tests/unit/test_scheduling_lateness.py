@@ -95,3 +95,13 @@ async def test_a_request_that_already_waited_past_its_slo_is_not_dispatched() ->
     assert info.value.reason is ShedReason.LATE
     assert gate.in_flight() == 0  # its slot went back
     gate.close()
+
+
+def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
+    p = LatenessPredictor(window_s=1.0, min_dispatches=1)
+    p.on_dispatch(0.0)
+    p.observe_inside("rt", 0.5)  # every answer takes 500 ms: an SLO of 100 ms is unreachable
+    assert not p.shed_at_arrival(100, "rt", 0.1, 0.5)
+    assert not p.late(10.0, "rt", 0.1)
+    p.observe_inside("fast", 0.01)
+    assert p.late(0.2, "fast", 0.1)
