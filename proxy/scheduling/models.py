@@ -83,9 +83,16 @@ class ModelGates:
         return None if info is None else self.slots(instance, model, info)
 
     def observe_inside(
-        self, instance: str, model: str, class_name: str, inside_s: float, in_flight: int
+        self,
+        instance: str,
+        model: str,
+        class_name: str,
+        inside_s: float,
+        in_flight: int,
+        batch_s: float | None = None,
     ) -> str | None:
-        """One answered request's time inside Triton; feeds adaptive concurrency."""
+        """One answered request's time inside Triton; feeds adaptive concurrency and deadline
+        admission. ``batch_s``: the model's full-batch time when the cost model knows it."""
         info = self._infos.get(model)
         gate = self.gates.get(model)
         if gate is not None and gate.lateness is not None:
@@ -101,6 +108,7 @@ class ModelGates:
             class_name == self.config.top_class(),
             in_flight,
             self.clock.now(),
+            batch_s,
         )
         if direction is not None:
             gate = self.gates.get(model)
