@@ -155,6 +155,12 @@ async def test_byte_budget_refuses_with_429_and_releases_once() -> None:
             budget = proxy.runtime.budget
             first = [asyncio.create_task(infer(proxy, body=infer_body(900))) for _ in range(2)]
             await wait_for(lambda: budget.in_use > 1800)
+            gauge = [
+                float(line.split()[1])
+                for line in proxy.telemetry.exposition().decode().splitlines()
+                if line.startswith("triton_proxy_buffered_bytes ")
+            ]
+            assert gauge == [budget.in_use]
             status, body, headers = await infer(proxy, body=infer_body(900))
             assert status == 429 and "max_buffered_bytes" in body["error"]
             assert headers["Retry-After"] == "1"
