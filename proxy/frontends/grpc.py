@@ -24,7 +24,7 @@ from proxy.dispatch import Call, ModelAbsentError, says_model_absent
 from proxy.errors import ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
@@ -338,7 +338,12 @@ class GrpcFrontend:
                     answers.append((instance.name, answer))
                 except grpc.aio.AioRpcError as exc:
                     failed.append((instance.name, exc.code(), exc.details() or ""))
-                except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
+                except (
+                    UpstreamConnectError,
+                    UpstreamLostError,
+                    UpstreamTimeoutError,
+                    ProxyError,
+                ) as exc:
                     failed.append(
                         (instance.name, grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}")
                     )
