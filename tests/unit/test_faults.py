@@ -141,7 +141,8 @@ async def test_model_missing_on_one_instance_leaves_only_that_model() -> None:
 
 async def test_model_missing_everywhere_gets_tritons_answer() -> None:
     async with fakes(2) as (f0, f1), proxy_for(policy([f0, f1])) as proxy:
-        assert (await infer(proxy))[0] == 200  # the catalog knows "m" now
+        assert (await infer(proxy))[0] == 200
+        assert await proxy.runtime.catalog.info("m") is not None  # known, as if just unloaded
         f0.models.clear()
         f1.models.clear()
         for _ in range(3):
