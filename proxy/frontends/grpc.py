@@ -20,21 +20,24 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.dispatch import Call, ModelAbsentError, says_model_absent
-from proxy.errors import ProxyError
+from proxy.dispatch import ModelAbsentError, says_model_absent
+from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
 from proxy.frontends.http import HOP_BY_HOP
 from proxy.frontends.kserve_grpc import read_infer, with_parameter
+from proxy.frontends.routes import check_model_name
+from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import grpc_cost
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +186,19 @@ class GrpcFrontend:
     # --- inference ------------------------------------------------------------------------
     def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
         model, params = read_infer(request)
+        if not model:
+            raise ProxyError(
+                Code.INVALID_ARG,
+                "triton-proxy could not parse the ModelInferRequest, or it names no model",
+            )
+        check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
-            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+            model=model,
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+            cost=grpc_cost(request),
         )
 
     async def _unary(
@@ -209,7 +222,7 @@ class GrpcFrontend:
     async def model_infer(self, request: bytes, context: Any) -> bytes:
         rt = self._rt()
         metadata = _metadata(context)
-        forward = forward_metadata(metadata)
+        forward = forward_metadata(metadata, rt.private_headers)
 
         async def send(instance: Instance, priority: int | None) -> bytes:
             data = _prioritized(request, priority)
@@ -235,7 +248,7 @@ class GrpcFrontend:
                 return
             rt = self._rt()
             metadata = _metadata(context)
-            forward = forward_metadata(metadata)
+            forward = forward_metadata(metadata, rt.private_headers)
             call = self._call(rt, first, metadata)
             klass = rt.dispatcher.classify(call)
 
@@ -299,12 +312,10 @@ class GrpcFrontend:
             await slots.close()
 
     # --- everything else ------------------------------------------------------------------
-    async def _relay(
-        self, method: str, request: bytes, context: Any, drop: Collection[str] = ()
-    ) -> bytes:
+    async def _relay(self, method: str, request: bytes, context: Any) -> bytes:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
         rt = self._rt()
-        forward = forward_metadata(_metadata(context), drop)
+        forward = forward_metadata(_metadata(context), rt.private_headers)
         return await rt.dispatcher.any_ready(
             lambda instance: self._unary(rt, instance, method, request, forward, context)
         )
@@ -321,7 +332,7 @@ class GrpcFrontend:
 
     async def repository_index(self, request: bytes, context: Any) -> bytes:
         self._check_admin(context)
-        return await self._relay("RepositoryIndex", request, context, drop=("authorization",))
+        return await self._relay("RepositoryIndex", request, context)
 
     def to_every_instance(self, method: str) -> UnaryHandler:
         """Load/unload/settings go to every instance; the first failure is returned."""
@@ -329,29 +340,29 @@ class GrpcFrontend:
         async def handler(request: bytes, context: Any) -> bytes:
             self._check_admin(context)
             rt = self._rt()
-            forward = forward_metadata(_metadata(context), drop=("authorization",))
-            answers: list[tuple[str, bytes]] = []
-            failed: list[tuple[str, grpc.StatusCode, str]] = []
-            for instance in rt.fleet.all():
+            forward = forward_metadata(_metadata(context), rt.private_headers)
+
+            async def one(instance: Instance) -> bytes:
                 try:
-                    answer = await self._unary(rt, instance, method, request, forward, context)
-                    answers.append((instance.name, answer))
+                    return await self._unary(rt, instance, method, request, forward, context)
                 except grpc.aio.AioRpcError as exc:
-                    failed.append((instance.name, exc.code(), exc.details() or ""))
+                    raise InstanceFailure(exc.code(), exc.details() or "") from exc
                 except (
                     UpstreamConnectError,
                     UpstreamLostError,
                     UpstreamTimeoutError,
                     ProxyError,
                 ) as exc:
-                    failed.append(
-                        (instance.name, grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}")
-                    )
-            if not failed:
-                return answers[0][1]
-            name, code, details = failed[0]
-            total = len(answers) + len(failed)
-            await _abort(context, code, admin_failure_message(details, name, len(failed), total))
+                    raise InstanceFailure(
+                        grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
+                    ) from exc
+
+            fan = await to_every_instance(rt.fleet.all(), one)
+            failed = fan.failure()
+            if failed is None:
+                return fan.answers[0][1]
+            first, message = failed
+            await _abort(context, first.code, message)
 
         return handler
 
