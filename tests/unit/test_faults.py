@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from proxy.app import ProxyServer
 from proxy.config import ProxyConfig, parse
@@ -317,3 +319,23 @@ async def test_connect_timeout_is_retried_elsewhere_without_ejecting() -> None:
         for s in fillers:
             s.close()
         black_hole.close()
+
+
+async def test_grpc_request_over_the_byte_budget_is_resource_exhausted() -> None:
+    async with fakes(1) as (f0,):
+        doc = policy([f0])
+        doc["instances"][0]["grpc"] = "127.0.0.1:1"  # never reached: refused before dispatch
+        async with proxy_for(doc) as proxy:
+            assert proxy.ports is not None and proxy.ports.grpc is not None
+            budget = proxy.runtime.budget
+            budget.in_use = budget.limit - 10  # as if other requests held the rest
+            request = pb.ModelInferRequest(model_name="m", id="x" * 64).SerializeToString()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.ports.grpc}") as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_buffered_bytes" in (info.value.details() or "")
+            trailing = dict(info.value.trailing_metadata() or ())
+            assert trailing.get("retry-after") == "1"
+            assert budget.in_use == budget.limit - 10  # the refused request holds nothing
