@@ -16,7 +16,12 @@ import grpc
 
 from proxy.errors import Code, ProxyError
 from proxy.fleet.instances import Fleet, Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import (
+    RETIRE_MAX_S,
+    UpstreamConnectError,
+    UpstreamLostError,
+    UpstreamTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,11 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamConnectError | Upstream
         return None
     details = exc.details() or ""
     if details.startswith(_CONNECT_FAILURE):
-        return UpstreamConnectError(details)
+        return UpstreamConnectError(details, refused="Connection refused" in details)
     if any(marker in details for marker in _TRANSPORT_FAILURES):
-        return UpstreamLostError(details)
+        # A unary answer arrives whole, so no byte of it had arrived; a stream's caller knows
+        # better and says so itself.
+        return UpstreamLostError(details, before_response=True)
     return None
 
 
@@ -90,6 +97,7 @@ class GrpcUpstreams:
         ] = {}
         """(instance name, method) -> (channel, its multi-callable): built once, not per call"""
         self._replaced: list[grpc.aio.Channel] = []
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def channel(self, instance: Instance) -> grpc.aio.Channel:
         target = instance.spec.grpc
@@ -117,16 +125,15 @@ class GrpcUpstreams:
         metadata: Metadata,
         client_remaining: float | None,
     ) -> bytes:
-        """One unary call; raises Upstream{Connect,Lost}Error or Triton's ``AioRpcError``."""
+        """One unary call; raises Upstream{Connect,Lost,Timeout}Error or Triton's
+        ``AioRpcError``."""
+        timeout = effective_timeout(client_remaining, self.request_timeout_s)
+        ours = timeout is not None and timeout != client_remaining
         channel = self.channel(instance)
         cached = self._unary.get((instance.name, method))
         if cached is None or cached[0] is not channel:
             cached = self._unary[(instance.name, method)] = (channel, channel.unary_unary(method))
-        call = cached[1](
-            request,
-            metadata=metadata,
-            timeout=effective_timeout(client_remaining, self.request_timeout_s),
-        )
+        call = cached[1](request, metadata=metadata, timeout=timeout)
         try:
             response: bytes = await call
         except asyncio.CancelledError:
@@ -134,6 +141,8 @@ class GrpcUpstreams:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
+            if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise UpstreamTimeoutError(exc.details() or "deadline exceeded") from exc
             transport = upstream_error(exc)
             if transport is not None:
                 raise transport from exc
@@ -147,14 +156,18 @@ class GrpcUpstreams:
         metadata: Metadata,
         client_remaining: float | None,
     ) -> grpc.aio.StreamStreamCall:
-        """Open a bidirectional call; the caller writes, reads and cancels it."""
+        """Open a bidirectional call; the caller writes, reads and cancels it.
+
+        Only the client's deadline applies: a stream may stay open for as long as its client
+        wants (it holds no dispatch slot while idle).
+        """
         return self.channel(instance).stream_stream(method)(
-            metadata=metadata,
-            timeout=effective_timeout(client_remaining, self.request_timeout_s),
+            metadata=metadata, timeout=effective_timeout(client_remaining, None)
         )
 
     async def retire(self, keep: set[str]) -> None:
-        """Close the channels of instances no longer in the fleet (or whose address changed)."""
+        """Retire the channels of instances no longer in the fleet (or whose address
+        changed): they take no new call and close when their calls have finished."""
         for name, (target, ch) in list(self._channels.items()):
             inst = self.fleet.instances.get(name)
             if name not in keep or inst is None or target != inst.spec.grpc:
@@ -163,7 +176,25 @@ class GrpcUpstreams:
         self._unary = {k: v for k, v in self._unary.items() if k[0] in self._channels}
         replaced, self._replaced = self._replaced, []
         for ch in replaced:
-            await ch.close()
+            task = asyncio.get_running_loop().create_task(
+                ch.close(grace=RETIRE_MAX_S), name="upstream-channel-retire"
+            )
+            self._retiring[task] = ch
+            task.add_done_callback(lambda t: self._retiring.pop(t, None))
+
+    def retiring(self) -> int:
+        """Retired channels still waiting for their calls to finish."""
+        return len(self._retiring)
 
     async def close(self) -> None:
-        await self.retire(set())
+        """Close every channel now (shutdown, after the drain)."""
+        retiring = dict(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        channels = [ch for _, ch in self._channels.values()] + self._replaced
+        channels += retiring.values()
+        self._channels.clear()
+        self._replaced = []
+        for ch in channels:
+            await ch.close()

@@ -8,10 +8,12 @@ docs/benchmarks.md "Speed"). A proxy that forwards bytes needs none of it: it wr
 headers, a ``Content-Length`` or chunked body). Streaming answers (``generate_stream``) still go
 through aiohttp, which relays chunks as they come.
 
-Failure semantics match what the dispatcher expects of the aiohttp path: no connection, or a
-connection refused before anything was written, is :class:`UpstreamConnectError` (safe to retry
-elsewhere); a connection that breaks after the request was written, a malformed response, or an
-idle kept-alive connection the server had closed, is :class:`UpstreamLostError`.
+Failure semantics match :func:`proxy.fleet.upstream.http_failure` on the aiohttp path: no
+connection (refused, flagged ``refused``; or a connect timeout) is :class:`UpstreamConnectError`
+(safe to retry elsewhere); a connection that breaks after the request was written, or an idle
+kept-alive connection the server had closed, is :class:`UpstreamLostError` with
+``before_response`` telling whether any byte of the answer had arrived; a malformed answer is
+lost after the response began. The caller's timeout surfaces as ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class _Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._waiter: asyncio.Future[None] | None = None
         self._lost: BaseException | None = None
+        self._answered = False
+        """Some byte of the current exchange's answer has arrived."""
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -52,6 +56,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
+        self._answered = True
         self._wake()
 
     def eof_received(self) -> bool:
@@ -72,7 +77,8 @@ class _Connection(asyncio.Protocol):
         """Wait for more bytes; raises when the connection ended instead."""
         if self.closed:
             raise UpstreamLostError(
-                f"connection closed by the server{f' ({self._lost})' if self._lost else ''}"
+                f"connection closed by the server{f' ({self._lost})' if self._lost else ''}",
+                before_response=not self._answered,
             )
         self._waiter = asyncio.get_running_loop().create_future()
         try:
@@ -89,13 +95,14 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, head: bytes, body: bytes, no_body: bool) -> Http1Response:
         assert self.transport is not None
         self._buf.clear()
+        self._answered = False
         self.transport.writelines((head, body) if body else (head,))
         while True:
             end = self._buf.find(b"\r\n\r\n")
             if end >= 0:
                 break
             if len(self._buf) > MAX_HEAD_BYTES:
-                raise UpstreamLostError("response head too large")
+                raise UpstreamLostError("response head too large", before_response=False)
             await self._more()
         status, reason, headers, length, chunked, close = _parse_head(bytes(self._buf[:end]))
         del self._buf[: end + 4]
@@ -134,7 +141,9 @@ class _Connection(asyncio.Protocol):
             try:
                 size = int(size_text, 16)
             except ValueError:
-                raise UpstreamLostError(f"bad chunk size {size_text[:20]!r}") from None
+                raise UpstreamLostError(
+                    f"bad chunk size {size_text[:20]!r}", before_response=False
+                ) from None
             del self._buf[: line_end + 2]
             if size == 0:
                 # Trailers (usually none) end with an empty line.
@@ -159,7 +168,7 @@ def _parse_head(
     version, _, rest = lines[0].partition(" ")
     code, _, reason = rest.partition(" ")
     if not version.startswith("HTTP/1.") or not code.isdigit():
-        raise UpstreamLostError(f"malformed response line {lines[0][:80]!r}")
+        raise UpstreamLostError(f"malformed response line {lines[0][:80]!r}", before_response=False)
     headers: list[tuple[str, str]] = []
     length: int | None = None
     chunked = False
@@ -167,12 +176,14 @@ def _parse_head(
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if not sep:
-            raise UpstreamLostError(f"malformed response header {line[:80]!r}")
+            raise UpstreamLostError(
+                f"malformed response header {line[:80]!r}", before_response=False
+            )
         name, value = name.strip(), value.strip()
         low = name.lower()
         if low == "content-length":
             if not value.isdigit():
-                raise UpstreamLostError(f"bad Content-Length {value[:20]!r}")
+                raise UpstreamLostError(f"bad Content-Length {value[:20]!r}", before_response=False)
             length = int(value)
         elif low == "transfer-encoding":
             chunked = value.lower().endswith("chunked")
@@ -210,12 +221,16 @@ class Http1Pool:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        where = f"{self.host}:{self.port}"
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise UpstreamConnectError(f"connect timeout ({where})") from exc
+        except OSError as exc:
             raise UpstreamConnectError(
-                f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}"
+                f"cannot connect to {where}: {exc}",
+                refused=isinstance(exc, ConnectionRefusedError),
             ) from exc
         return conn
 

@@ -74,7 +74,7 @@ def test_follower_reads_the_leaders_snapshots_and_health(tmp_path):
     clock = FakeClock(100.0)
     leader, follower = _fleet(clock), _fleet(clock)
     snap = InstanceSnapshot(taken_at=99.5, models={"m": ModelLoad(pending=3)})
-    leader.report_failure(leader.get("b"), "readiness probe answered 503")
+    leader.report_failure(leader.get("b"), "readiness probe answered 503", immediate=True)
     write_state(tmp_path / STATE_FILE, leader_state(leader, {"a": snap}, clock.now()))
 
     view = SharedSnapshots(tmp_path / STATE_FILE, follower, interval_s=1.0)
@@ -92,7 +92,9 @@ def test_a_followers_own_failure_outlives_older_leader_verdicts(tmp_path):
         leader.report_success(inst)
     write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now()))
     clock.advance(0.5)
-    follower.report_failure(follower.get("a"), "connection refused")  # seen after the verdict
+    follower.report_failure(
+        follower.get("a"), "connection refused", immediate=True
+    )  # seen after the verdict
     view = SharedSnapshots(tmp_path / STATE_FILE, follower, interval_s=1.0)
     view.refresh()
     assert not follower.get("a").healthy
