@@ -126,26 +126,28 @@ async def test_refused_connection_is_a_connect_error():
     async with raw_server(fixed(OK)) as (_, url):
         pass  # closed: nothing listens there any more
     pool = Http1Pool(url, limit=2, connect_timeout_s=1.0)
-    with pytest.raises(UpstreamConnectError):
+    with pytest.raises(UpstreamConnectError) as caught:
         await pool.request("GET", "/x", [], b"")
+    assert caught.value.refused  # nothing listens: the instance can be ejected at once
     assert pool.in_use == 0
 
 
 @pytest.mark.parametrize(
-    "response",
+    ("response", "before_response"),
     [
-        None,  # closed before answering
-        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",  # closed mid-body
-        b"garbage\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        (None, True),  # closed before answering: a stateless request may go elsewhere
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", False),  # closed mid-body
+        (b"garbage\r\n\r\n", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", False),
     ],
 )
-async def test_broken_answers_are_lost_requests(response):
+async def test_broken_answers_are_lost_requests(response, before_response):
     answer = fixed(response) if response else (lambda head: None)
     async with raw_server(answer, close_after=True) as (_, url):
         pool = Http1Pool(url, limit=2, connect_timeout_s=1.0)
-        with pytest.raises(UpstreamLostError):
+        with pytest.raises(UpstreamLostError) as caught:
             await pool.request("POST", "/x", [], b"b")
+        assert caught.value.before_response is before_response
         assert pool.in_use == 0
         pool.close()
 
