@@ -165,10 +165,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
 
 
-WORKERS_HELP = (
-    "proxy processes sharing the ports (SO_REUSEPORT; default 1); see docs/benchmarks.md, "
-    "'Workers and replicas'"
-)
+WORKERS_HELP = "proxy processes sharing the ports (SO_REUSEPORT; default 1); see docs/scaling.md"
 
 
 def _positive(text: str) -> int:
