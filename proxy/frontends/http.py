@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.budget import Hold
@@ -34,7 +35,7 @@ from proxy.frontends.common import (
 )
 from proxy.frontends.kserve_http import (
     HEADER_LENGTH,
-    decode_content,
+    check_content_encoding,
     json_header,
     read_params,
     with_parameter,
@@ -167,24 +168,31 @@ class HttpFrontend:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         # Released by the middleware, whatever way the request ends.
         hold = request[_BODY_HOLD] = rt.budget.hold(request.content_length or 0)
-        if request.content_length is not None:
-            return await request.read()
-        chunks: list[bytes] = []
-        async for chunk in request.content.iter_chunked(1 << 16):
-            if hold.nbytes + len(chunk) > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
-            hold.grow(len(chunk))
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            if request.content_length is not None:
+                body = await request.read()
+                # A compressed body is held at its decompressed size (aiohttp decodes it).
+                if len(body) > hold.nbytes:
+                    hold.grow(len(body) - hold.nbytes)
+                return body
+            chunks: list[bytes] = []
+            async for chunk in request.content.iter_chunked(1 << 16):
+                if hold.nbytes + len(chunk) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
+                hold.grow(len(chunk))
+                chunks.append(chunk)
+            return b"".join(chunks)
+        except RequestPayloadError as exc:
+            # A body that ends early or does not decode (a corrupt gzip body, say): the
+            # client's fault, answered as such.
+            raise ProxyError(Code.INVALID_ARG, f"could not read the request body: {exc}") from exc
 
     async def _dispatch(self, request: web.Request, route: Route) -> web.StreamResponse:
         rt = self._rt()
         assert route.model is not None
-        raw = await self._read_body(request)
-        body = decode_content(
-            raw, request.headers.get("Content-Encoding"), rt.config.limits.max_body_bytes
-        )
-        # The body goes upstream decoded, so its encoding header must not.
+        check_content_encoding(request.headers.get("Content-Encoding"))
+        body = await self._read_body(request)
+        # aiohttp hands the body over decoded, so its encoding header must not go upstream.
         headers = _forward_headers(request.headers, rt.private_headers, "content-encoding")
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
