@@ -22,7 +22,6 @@ Failure modes a test can set:
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import threading
 import time
@@ -42,6 +41,7 @@ from tritonclient.grpc import service_pb2 as pb
 SERVICE = "inference.GRPCInferenceService"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 STORED_BODY_BYTES = 64 * 1024
+MAX_INFLATED_BYTES = 16 << 20
 
 
 def simple_config(name: str = "simple", priority_levels: int = 3) -> dict[str, Any]:
@@ -184,6 +184,10 @@ _NUMPY_TYPES = {
 }
 
 
+_DOC = web.RequestKey("doc", dict)
+_TAIL = web.RequestKey("tail", bytes)
+
+
 class BadRequest(Exception):
     """The fake cannot read the request: it answers 400, as Triton does."""
 
@@ -196,11 +200,15 @@ def _decode_body(body: bytes, encoding: str | None) -> bytes:
     if not encoding or encoding == "identity":
         return body
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error, EOFError) as exc:
+        if encoding in ("gzip", "deflate"):
+            inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+            plain = inflater.decompress(body, MAX_INFLATED_BYTES)
+            if inflater.unconsumed_tail:
+                raise BadRequest(f"request body inflates past {MAX_INFLATED_BYTES} bytes")
+            if not inflater.eof:
+                raise BadRequest("truncated compressed request body")
+            return plain
+    except zlib.error as exc:
         raise BadRequest(f"failed to decompress the request body: {exc}") from exc
     raise BadRequest(f"unsupported Content-Encoding '{encoding}'")
 
@@ -364,7 +372,10 @@ class FakeTriton:
         r.add_post("/v2/repository/index", self.repository_index)
         r.add_post("/v2/repository/models/{model}/{action:load|unload}", self.repository_action)
         r.add_route("*", "/{tail:.*}", self.not_found)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # Bodies are recorded as sent; the fake decodes Content-Encoding itself, as Triton does.
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, auto_decompress=False
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.http_port, reuse_address=True)
         await site.start()
@@ -439,7 +450,7 @@ class FakeTriton:
         )
         if error is not None:
             return _error(400, error)
-        request["doc"], request["tail"] = doc, tail
+        request[_DOC], request[_TAIL] = doc, tail
         return await handler(request)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -518,9 +529,9 @@ class FakeTriton:
         failed = await self._apply_fault(request, model)
         if failed is not None:
             return failed
-        doc: dict[str, Any] = request["doc"]
+        doc = request[_DOC]
         try:
-            outputs = _outputs(doc, request["tail"])
+            outputs = _outputs(doc, request[_TAIL])
         except BadRequest as exc:
             return _error(400, str(exc))
         return web.json_response(
@@ -539,7 +550,7 @@ class FakeTriton:
         failed = await self._apply_fault(request, model)
         if failed is not None:
             return failed
-        doc: dict[str, Any] = request["doc"]
+        doc = request[_DOC]
         return web.json_response(
             {"model_name": model, "model_version": "1", "text_output": str(doc.get("text_input"))}
         )
