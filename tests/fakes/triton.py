@@ -103,7 +103,12 @@ def decoupled_config(name: str = "gen") -> dict[str, Any]:
 
 
 def default_models() -> dict[str, dict[str, Any]]:
-    return {"simple": simple_config(), "seq": sequence_config(), "gen": decoupled_config()}
+    return {
+        "simple": simple_config(),
+        "plain": simple_config("plain", priority_levels=0),
+        "seq": sequence_config(),
+        "gen": decoupled_config(),
+    }
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,15 @@ def _decode_body(body: bytes, encoding: str | None) -> bytes:
     raise BadRequest(f"unsupported Content-Encoding '{encoding}'")
 
 
+def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose duplicate keys keep their first value, as Triton's RapidJSON
+    lookups do (``FindMember`` returns the first match); Python's json keeps the last."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out
+
+
 def _split_infer_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
     """The JSON header and the binary tail of a KServe v2 infer body (400 when unreadable)."""
     n = len(body)
@@ -224,8 +238,8 @@ def _split_infer_body(body: bytes, header_length: str | None) -> tuple[dict[str,
         if not 0 < n <= len(body):
             raise BadRequest(f"{HEADER_LENGTH} {n} does not fit a body of {len(body)} bytes")
     try:
-        doc = json.loads(body[:n])
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = json.loads(body[:n], object_pairs_hook=_first_wins)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest(f"failed to parse the request JSON buffer: {exc}") from exc
     if not isinstance(doc, dict):
         raise BadRequest("the request JSON must be an object")
@@ -369,6 +383,9 @@ class FakeTriton:
             r.add_post(base + "/infer", self.infer)
             r.add_post(base + "/generate", self.generate)
             r.add_post(base + "/generate_stream", self.generate_stream)
+        for settings in ("/v2/logging", "/v2/trace/setting", "/v2/models/{model}/trace/setting"):
+            r.add_get(settings, self.settings)
+            r.add_post(settings, self.settings)
         r.add_post("/v2/repository/index", self.repository_index)
         r.add_post("/v2/repository/models/{model}/{action:load|unload}", self.repository_action)
         r.add_route("*", "/{tail:.*}", self.not_found)
@@ -495,6 +512,9 @@ class FakeTriton:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"model_stats": []})
 
+    async def settings(self, request: web.Request) -> web.Response:
+        return web.json_response({"log_verbose_level": 0, "trace_level": ["OFF"]})
+
     async def repository_index(self, request: web.Request) -> web.Response:
         return web.json_response(
             [{"name": m, "version": "1", "state": "READY"} for m in self.models]
@@ -578,6 +598,12 @@ class FakeTriton:
             "ModelMetadata": self._grpc_model_metadata,
             "ModelConfig": self._grpc_model_config,
             "ModelInfer": self._grpc_infer,
+            "ModelStatistics": self._grpc_empty(pb.ModelStatisticsResponse),
+            "RepositoryIndex": self._grpc_empty(pb.RepositoryIndexResponse),
+            "RepositoryModelLoad": self._grpc_empty(pb.RepositoryModelLoadResponse),
+            "RepositoryModelUnload": self._grpc_empty(pb.RepositoryModelUnloadResponse),
+            "LogSettings": self._grpc_empty(pb.LogSettingsResponse),
+            "TraceSetting": self._grpc_empty(pb.TraceSettingResponse),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(self._grpc_recorded(name, fn))
@@ -615,6 +641,12 @@ class FakeTriton:
             if method != "ModelInfer":
                 self._record_grpc(method, context, message, None)
             return await fn(message, context)
+
+        return handler
+
+    def _grpc_empty(self, reply_type: Any) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handler(message: bytes, context: Any) -> bytes:
+            return bytes(reply_type().SerializeToString())
 
         return handler
 
