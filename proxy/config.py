@@ -58,7 +58,7 @@ class AdminConfig:
     """Model control (repository load/unload/index, trace and log settings) is off by default."""
 
     enabled: bool = False
-    token: str | None = None
+    token: str | None = field(default=None, metadata=strict.SECRET)
     token_env: str | None = None
     """Name of an environment variable holding the token (keeps secrets out of the file)."""
 

@@ -9,8 +9,7 @@ protocol-specific forwarding, which receives the instance and the Triton priorit
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.errors import Code, ProxyError
@@ -18,7 +17,7 @@ from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
-from proxy.frontends.kserve_http import NO_PARAMS, InferParams
+from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
 
@@ -27,20 +26,10 @@ if TYPE_CHECKING:
     from proxy.telemetry import Telemetry
 
 T = TypeVar("T")
+OTHER_MODEL = "other"
+"""Metric label of requests for models no instance knows."""
 Send = Callable[[Instance, int | None], Awaitable[T]]
 """Forward the request to the instance, setting this Triton priority when not None."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """What a frontend learned about one request: enough to place it, nothing more."""
-
-    model: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    """Request headers or gRPC metadata, keys lower-case."""
-    params: InferParams = NO_PARAMS
-    session_key: str | None = None
-    cost: float = 1.0
 
 
 class Placement(Protocol):
@@ -79,6 +68,20 @@ class Dispatcher:
         self.classifier = classifier
         self.max_retries = max_retries
 
+    def reconfigure(
+        self,
+        *,
+        admission: ModelGates | None,
+        classifier: Classifier | None,
+        retries: RetryGate,
+        max_retries: int,
+    ) -> None:
+        """Adopt a reloaded policy's admission, classes and retry rules (one swap each)."""
+        self.admission = admission
+        self.classifier = classifier
+        self.retries = retries
+        self.max_retries = max_retries
+
     def classify(self, call: Call) -> str:
         return self.classifier.classify(call.headers) if self.classifier else "default"
 
@@ -92,14 +95,20 @@ class Dispatcher:
     ) -> T:
         klass = self.classify(call)
         began = time.perf_counter()
+        # Until the model is known, its metric label is "other": a client inventing names
+        # must not create label values (or routing state, or gates).
+        model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
         try:
+            info = await self.catalog.info(call.model)
+            if info is None:
+                raise ProxyError(
+                    Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
+                )
+            model_label = call.model
             seq = call.params.sequence_id
-            info = None
-            if self.admission is not None or isinstance(seq, str):
-                info = await self.catalog.info(call.model)
-            if info is not None and seq is not None:
+            if seq is not None:
                 problem = info.sequence_id_problem(seq)
                 if problem is not None:
                     raise ProxyError(
@@ -107,8 +116,7 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None or info is None:
-                # Without classes, or for a model no ready instance knows (Triton answers).
+            if self.admission is None:
                 instance, result = await self._send(call, None, send, stream)
             else:
                 async with self.admission.admit(call.model, info, klass) as priority:
@@ -123,8 +131,8 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(call.model, klass).observe(time.perf_counter() - began)
+            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
+            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
 
     async def _send(
         self, call: Call, priority: int | None, send: Send[T], stream: bool

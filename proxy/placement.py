@@ -34,7 +34,10 @@ class FleetPlacement:
         self.chooser = chooser
         self.snapshots = snapshots
 
-    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+    def candidates(
+        self, request: RouteRequest, exclude: frozenset[str] = frozenset()
+    ) -> list[Candidate]:
+        model = request.model
         out = []
         for inst in self.fleet.healthy():
             if inst.name in exclude:
@@ -47,12 +50,22 @@ class FleetPlacement:
                     connections=self.upstreams.open_connections(inst) + inst.streams,
                     snapshot=self.snapshots(inst.name),
                     stale=False,  # judged by the router from the snapshot's age
+                    ahead=inst.ahead_of(model, request.level),
+                    long_in_flight=inst.long_in_flight.get(model, 0),
+                    class_in_flight=inst.class_in_flight.get((model, request.class_name or ""), 0),
                 )
             )
         return out
 
     def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
-        candidates = self.candidates(request.model, exclude)
+        candidates = self.candidates(request, exclude)
         if not candidates:
             return None
+        cap = request.class_cap
+        if cap is not None:
+            # The class's per-instance cap (max_per_instance). The gate admits at most
+            # cap x healthy instances of the class, so one is under the cap unless a retry
+            # excluded it; then any instance serves rather than none.
+            under = [c for c in candidates if c.class_in_flight < cap]
+            candidates = under or candidates
         return self.fleet.get(self.chooser(candidates, request).name)

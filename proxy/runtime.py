@@ -22,6 +22,7 @@ from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
+from proxy.frontends.common import private_headers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
@@ -52,6 +53,8 @@ class Runtime:
         gate_observer: GateObserver | None = None,
     ) -> None:
         self.config = config
+        self.private_headers = private_headers(config)
+        """Names of headers the proxy consumes and never forwards (credentials, class)."""
         self.clock = clock
         self.rng = rng
         self.telemetry = telemetry
@@ -223,10 +226,14 @@ class Runtime:
             self.gates = ModelGates(config.scheduling, self.fleet, self.clock, self._gate_observer)
         else:
             self.gates.reconfigure(config.scheduling)
-        d = self.dispatcher
-        d.admission, d.classifier = self.gates, classifier
-        d.retries, d.max_retries = router.retry_budget, config.routing.retry.max_retries
+        self.dispatcher.reconfigure(
+            admission=self.gates,
+            classifier=classifier,
+            retries=router.retry_budget,
+            max_retries=config.routing.retry.max_retries,
+        )
         self.config = config
+        self.private_headers = private_headers(config)
         return restart_only
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -237,6 +244,7 @@ class Runtime:
     async def stop(self) -> None:
         if self.gates is not None:
             self.gates.close()
+        await self.catalog.close()
         await self.scraper.stop()
         await self.health.stop()
         await self.upstreams.close()

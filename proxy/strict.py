@@ -33,6 +33,20 @@ def _join(path: str, key: object) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+SECRET = {"secret": True}
+"""``dataclasses.field(metadata=SECRET)``: the value is a credential, never shown in errors."""
+SECRET_KEYS = {"secret_keys": True}
+"""``dataclasses.field(metadata=SECRET_KEYS)``: a mapping whose keys are credentials, shown
+masked in error paths."""
+
+
+def mask_secret(key: str) -> str:
+    """Enough of a credential to find it in the file, not enough to use it."""
+    if key.startswith("sha256:"):
+        return key[:15] + "..."
+    return key[:4] + "..." if len(key) > 8 else "..."
+
+
 def load(cls: type[T], data: Any, path: str = "", source: str | None = None) -> T:
     """Build dataclass ``cls`` from ``data`` (a mapping), strictly."""
     return typing.cast(T, _convert(cls, data, path, source))
@@ -53,7 +67,21 @@ def _load_dataclass(cls: type, data: Any, path: str, source: str | None) -> Any:
             tip = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(fields)}"
             raise ConfigError(_join(path, key), f"unknown key{tip}", source)
         name = names[key]
-        kwargs[name] = _convert(hints[name], value, _join(path, key), source)
+        meta = fields[name].metadata
+        where = _join(path, key)
+        if meta.get("secret"):
+            try:
+                kwargs[name] = _convert(hints[name], value, where, source)
+            except ConfigError:
+                raise ConfigError(
+                    where,
+                    f"invalid value of type {type(value).__name__} (a secret: not shown)",
+                    source,
+                ) from None
+        elif meta.get("secret_keys") and isinstance(value, Mapping):
+            kwargs[name] = _convert_secret_keys(hints[name], value, where, source)
+        else:
+            kwargs[name] = _convert(hints[name], value, where, source)
     for name, f in fields.items():
         if (
             name not in kwargs
@@ -66,6 +94,18 @@ def _load_dataclass(cls: type, data: Any, path: str, source: str | None) -> Any:
     except (ValueError, TypeError) as exc:
         raise ConfigError(path, str(exc), source) from exc
     return obj
+
+
+def _convert_secret_keys(
+    tp: Any, value: Mapping[Any, Any], path: str, source: str | None
+) -> Mapping[Any, Any]:
+    """A mapping whose keys are secrets: errors name each entry by its masked key."""
+    key_type, value_type = get_args(tp) or (str, Any)
+    out = {}
+    for k, v in value.items():
+        where = f"{path}[{mask_secret(str(k))}]"
+        out[_convert(key_type, k, where, source)] = _convert(value_type, v, where, source)
+    return types.MappingProxyType(out)
 
 
 def _convert(tp: Any, value: Any, path: str, source: str | None) -> Any:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -10,7 +12,8 @@ from urllib.parse import quote
 import aiohttp
 
 from proxy.clock import Clock
-from proxy.fleet.instances import Fleet
+from proxy.errors import Code, ProxyError
+from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import HttpUpstreams
 
 
@@ -62,8 +65,24 @@ def model_info(config: dict[str, Any]) -> ModelInfo:
     )
 
 
+class _Unknown:
+    """Every ready instance that answered said it has no such model."""
+
+
+UNKNOWN = _Unknown()
+
+
 class ModelCatalog:
-    """Caches :class:`ModelInfo` per model; an unknown model is remembered briefly."""
+    """Caches :class:`ModelInfo` per model, as one ready instance's config describes it.
+
+    - Lookups are single-flight: concurrent requests for a model not yet cached share one
+      config fetch, so a burst of requests costs one round trip, not one each.
+    - A model no instance knows is remembered for ``negative_ttl_s`` in a cache of at most
+      ``max_unknown`` names (oldest dropped first): invented names cannot grow memory, and
+      each costs at most one fetch per TTL while it is cached.
+    - Only models an instance has described enter the positive cache, so its size is bounded
+      by what the fleet serves, not by what clients send.
+    """
 
     def __init__(
         self,
@@ -73,47 +92,118 @@ class ModelCatalog:
         *,
         ttl_s: float = 60.0,
         negative_ttl_s: float = 2.0,
+        max_unknown: int = 1024,
     ) -> None:
         self.fleet = fleet
         self.upstreams = upstreams
         self.clock = clock
         self.ttl_s = ttl_s
         self.negative_ttl_s = negative_ttl_s
-        self._cache: dict[str, tuple[ModelInfo | None, float]] = {}
+        self.max_unknown = max_unknown
+        self._cache: dict[str, tuple[ModelInfo, float]] = {}
+        self._unknown: OrderedDict[str, float] = OrderedDict()
+        self._pending: dict[str, asyncio.Future[ModelInfo | None]] = {}
+        self.fetches = 0
+        """Config fetches started (each may try several instances)."""
 
     def cached(self, model: str) -> ModelInfo | None:
         entry = self._cache.get(model)
         return entry[0] if entry else None
 
+    def unknown_count(self) -> int:
+        return len(self._unknown)
+
     async def info(self, model: str) -> ModelInfo | None:
-        """The model's info, or None when no ready instance knows the model."""
-        entry = self._cache.get(model)
+        """The model's info, or None when every ready instance says it has no such model.
+
+        Raises :class:`ProxyError` (UNAVAILABLE) when no ready instance could be asked.
+        """
         now = self.clock.now()
+        entry = self._cache.get(model)
         if entry is not None and entry[1] > now:
             return entry[0]
-        info = await self._fetch(model)
-        if info is None and entry is not None and entry[0] is not None:
-            info = entry[0]  # a transient failure keeps what we knew
-        self._cache[model] = (info, now + (self.ttl_s if info else self.negative_ttl_s))
-        return info
+        until = self._unknown.get(model)
+        if until is not None and until > now:
+            return None
+        pending = self._pending.get(model)
+        if pending is None:
+            # The fetch is its own task: a requester that gives up does not cancel it for
+            # the others waiting on it.
+            pending = asyncio.ensure_future(self._refresh(model, entry))
+            self._pending[model] = pending
+            pending.add_done_callback(lambda task: self._settled(model, task))
+        return await asyncio.shield(pending)
+
+    def _settled(self, model: str, task: asyncio.Future[ModelInfo | None]) -> None:
+        self._pending.pop(model, None)
+        if not task.cancelled():
+            task.exception()  # retrieved, so a fetch whose requesters all left logs no warning
+
+    async def close(self) -> None:
+        """Cancel fetches still running (shutdown)."""
+        pending = list(self._pending.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _refresh(self, model: str, entry: tuple[ModelInfo, float] | None) -> ModelInfo | None:
+        self.fetches += 1
+        found = await self._fetch(model)
+        now = self.clock.now()
+        if isinstance(found, ModelInfo):
+            self._cache[model] = (found, now + self.ttl_s)
+            self._unknown.pop(model, None)
+            return found
+        if found is UNKNOWN:
+            self._cache.pop(model, None)
+            self._unknown[model] = now + self.negative_ttl_s
+            self._unknown.move_to_end(model)
+            while len(self._unknown) > self.max_unknown:
+                self._unknown.popitem(last=False)
+            return None
+        if entry is not None:
+            # No instance could be asked: a transient failure keeps what we knew.
+            self._cache[model] = (entry[0], now + self.negative_ttl_s)
+            return entry[0]
+        raise ProxyError(
+            Code.UNAVAILABLE,
+            f"no ready Triton instance could describe model '{model}'",
+        )
 
     def known(self) -> list[str]:
         """Models some instance has described."""
-        return [model for model, (info, _) in self._cache.items() if info is not None]
+        return list(self._cache)
 
     def forget(self, model: str) -> None:
         self._cache.pop(model, None)
+        self._unknown.pop(model, None)
 
-    async def _fetch(self, model: str) -> ModelInfo | None:
-        timeout = aiohttp.ClientTimeout(total=self.fleet.health.timeout_s)
+    async def _fetch(self, model: str) -> ModelInfo | _Unknown | None:
+        """The first ready instance's description; UNKNOWN when all that answered lack the
+        model; None when none could be asked."""
+        answered = False
         for instance in self.fleet.healthy():
             try:
-                async with self.upstreams.session(instance).get(
-                    f"/v2/models/{quote(model, safe='')}/config", timeout=timeout
-                ) as resp:
-                    if resp.status != 200:
-                        continue
-                    return model_info(json.loads(await resp.read()))
+                config = await self.describe(instance, model)
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 continue
-        return None
+            answered = True
+            if config is not None:
+                return model_info(config)
+        return UNKNOWN if answered else None
+
+    async def describe(self, instance: Instance, model: str) -> dict[str, Any] | None:
+        """The model's JSON config on ``instance``; None when Triton answers that it has no
+        such model (4xx)."""
+        timeout = aiohttp.ClientTimeout(total=self.fleet.health.timeout_s)
+        async with self.upstreams.session(instance).get(
+            f"/v2/models/{quote(model, safe='')}/config", timeout=timeout
+        ) as resp:
+            if 400 <= resp.status < 500:
+                return None
+            if resp.status != 200:
+                raise ValueError(f"config of '{model}' answered {resp.status}")
+            config = json.loads(await resp.read())
+            if not isinstance(config, dict):
+                raise ValueError(f"config of '{model}' is not a JSON object")
+            return config

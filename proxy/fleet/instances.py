@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.clock import Clock
 
@@ -54,6 +55,20 @@ class HealthConfig:
             raise ValueError("eject_after_failures must be >= 1")
 
 
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What an in-flight request is, for placement: its class, Triton priority level, and
+    whether it is long (a throughput class capped per instance, or a cost well above the
+    model's usual requests)."""
+
+    class_name: str = "default"
+    level: int = 0
+    long: bool = False
+
+
+NO_WORK = Work()
+
+
 @dataclass
 class Instance:
     """Mutable run-time state of one instance; owned by :class:`Fleet`."""
@@ -69,6 +84,21 @@ class Instance:
     last_answer_at: float = float("-inf")
     """Clock time of the instance's last answer to a forwarded request."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
+    long_in_flight: Counter[str] = field(default_factory=Counter)
+    """Requests in flight flagged long (see :class:`Work`), by model."""
+    class_in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Requests in flight by (model, class)."""
+    level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """Requests in flight by (model, Triton priority level); level 0 = the model's default."""
+
+    def ahead_of(self, model: str, level: int | None) -> int:
+        """Requests of ``model`` in flight here that Triton serves no later than one at
+        ``level`` (same or more important level; all of them when ``level`` is None)."""
+        if level is None or level <= 0:
+            return self.model_in_flight.get(model, 0)
+        return sum(
+            n for (m, lv), n in self.level_in_flight.items() if m == model and 0 < lv <= level
+        )
 
     @property
     def name(self) -> str:
@@ -107,19 +137,30 @@ class Fleet:
         return any(i.healthy for i in self.instances.values())
 
     @contextmanager
-    def track(self, instance: Instance, model: str, *, stream: bool = False) -> Iterator[None]:
+    def track(
+        self, instance: Instance, model: str, *, stream: bool = False, work: Work = NO_WORK
+    ) -> Iterator[None]:
         """Count one request (or stream) in flight on ``instance`` until the block exits."""
+        counters: list[tuple[Counter[Any], Any]] = [
+            (instance.model_in_flight, model),
+            (instance.class_in_flight, (model, work.class_name)),
+            (instance.level_in_flight, (model, work.level)),
+        ]
+        if work.long:
+            counters.append((instance.long_in_flight, model))
         instance.in_flight += 1
-        instance.model_in_flight[model] += 1
+        for counter, key in counters:
+            counter[key] += 1
         if stream:
             instance.streams += 1
         try:
             yield
         finally:
             instance.in_flight -= 1
-            instance.model_in_flight[model] -= 1
-            if not instance.model_in_flight[model]:
-                del instance.model_in_flight[model]
+            for counter, key in counters:
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
             if stream:
                 instance.streams -= 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from typing import Literal
 
-from proxy.config import AdminConfig
+from proxy.config import AdminConfig, ProxyConfig
 from proxy.errors import Code, ProxyError
 
 SHARED_MEMORY_MESSAGE = (
@@ -16,6 +16,16 @@ SHARED_MEMORY_MESSAGE = (
 
 SharedMemoryKind = Literal["system", "cuda"]
 SharedMemoryAction = Literal["status", "register", "unregister"]
+
+
+def private_headers(config: ProxyConfig) -> frozenset[str]:
+    """Header (and gRPC metadata) names the proxy consumes and never forwards, lower-case:
+    ``Authorization`` (API keys and the admin token), the configured API-key header and the
+    class header."""
+    names = {"authorization", "proxy-authorization"}
+    if config.scheduling is not None:
+        names |= {config.scheduling.api_key_header.lower(), config.scheduling.class_header.lower()}
+    return frozenset(names)
 
 
 def check_admin(admin: AdminConfig, authorization: str | None) -> None:

@@ -19,8 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.dispatch import Call
-from proxy.errors import ProxyError
+from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
@@ -33,6 +32,8 @@ from proxy.frontends.common import (
 )
 from proxy.frontends.http import HOP_BY_HOP
 from proxy.frontends.kserve_grpc import read_infer, with_parameter
+from proxy.frontends.routes import check_model_name
+from proxy.request import Call
 from proxy.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,12 @@ class GrpcFrontend:
     # --- inference ------------------------------------------------------------------------
     def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
         model, params = read_infer(request)
+        if not model:
+            raise ProxyError(
+                Code.INVALID_ARG,
+                "triton-proxy could not parse the ModelInferRequest, or it names no model",
+            )
+        check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
             model=model, headers=headers, params=params, session_key=rt.session_key(headers)
@@ -208,7 +215,7 @@ class GrpcFrontend:
     async def model_infer(self, request: bytes, context: Any) -> bytes:
         rt = self._rt()
         metadata = _metadata(context)
-        forward = forward_metadata(metadata)
+        forward = forward_metadata(metadata, rt.private_headers)
 
         async def send(instance: Instance, priority: int | None) -> bytes:
             data = _prioritized(request, priority)
@@ -225,7 +232,7 @@ class GrpcFrontend:
                 return
             rt = self._rt()
             metadata = _metadata(context)
-            forward = forward_metadata(metadata)
+            forward = forward_metadata(metadata, rt.private_headers)
 
             async def send(instance: Instance, priority: int | None) -> None:
                 await self._relay_stream(rt, instance, priority, first, incoming, forward, context)
@@ -285,12 +292,10 @@ class GrpcFrontend:
             upstream.cancel()
 
     # --- everything else ------------------------------------------------------------------
-    async def _relay(
-        self, method: str, request: bytes, context: Any, drop: Collection[str] = ()
-    ) -> bytes:
+    async def _relay(self, method: str, request: bytes, context: Any) -> bytes:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
         rt = self._rt()
-        forward = forward_metadata(_metadata(context), drop)
+        forward = forward_metadata(_metadata(context), rt.private_headers)
         return await rt.dispatcher.any_ready(
             lambda instance: self._unary(rt, instance, method, request, forward, context)
         )
@@ -307,7 +312,7 @@ class GrpcFrontend:
 
     async def repository_index(self, request: bytes, context: Any) -> bytes:
         self._check_admin(context)
-        return await self._relay("RepositoryIndex", request, context, drop=("authorization",))
+        return await self._relay("RepositoryIndex", request, context)
 
     def to_every_instance(self, method: str) -> UnaryHandler:
         """Load/unload/settings go to every instance; the first failure is returned."""
@@ -315,7 +320,7 @@ class GrpcFrontend:
         async def handler(request: bytes, context: Any) -> bytes:
             self._check_admin(context)
             rt = self._rt()
-            forward = forward_metadata(_metadata(context), drop=("authorization",))
+            forward = forward_metadata(_metadata(context), rt.private_headers)
             answers: list[tuple[str, bytes]] = []
             failed: list[tuple[str, grpc.StatusCode, str]] = []
             for instance in rt.fleet.all():

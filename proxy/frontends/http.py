@@ -1,37 +1,46 @@
 """Triton's HTTP/REST protocol (KServe v2), served by the proxy.
 
-Inference bodies are forwarded byte for byte through the instance's pooled client; the proxy
-reads only the JSON header, and only when it may hold a routing parameter. Everything the proxy
-does not handle itself is relayed to a ready instance, so Triton answers it exactly as it would.
+Every request's raw target is canonicalised and matched against the explicit route table in
+:mod:`proxy.frontends.routes`; the upstream path is built from the match. Inference bodies are
+forwarded byte for byte through the instance's pooled client (decompressed first when the client
+compressed them); the proxy reads only the JSON header, and edits only the class's ``priority``.
+Read-only routes are relayed to a ready instance, so Triton answers them exactly as it would.
+Credentials (the API-key header, the admin token) and the class header stay at the proxy.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.dispatch import Call
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.frontends import routes
 from proxy.frontends.common import (
-    SHARED_MEMORY_MESSAGE,
     SharedMemoryAction,
     SharedMemoryKind,
     admin_failure_message,
     check_admin,
     shared_memory_call,
 )
-from proxy.frontends.kserve_http import HEADER_LENGTH, read_params, with_parameter
+from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameter
+from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
+from proxy.request import Call
 from proxy.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+_SHARED_MEMORY_ACTIONS: dict[str, SharedMemoryAction] = {
+    "status": "status",
+    "register": "register",
+    "unregister": "unregister",
+}
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -48,18 +57,18 @@ HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
-_SHARED_MEMORY_PATH = re.compile(
-    r"^(?:/region/(?P<region>[^/]+))?/(?P<action>status|register|unregister)$"
-)
-_SHARED_MEMORY_ACTIONS: dict[str, SharedMemoryAction] = {
-    "status": "status",
-    "register": "register",
-    "unregister": "unregister",
-}
 
 
-def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+def _forward_headers(
+    headers: CIMultiDictProxy[str], private: frozenset[str] = frozenset()
+) -> CIMultiDict[str]:
+    """Headers to send upstream: all but hop-by-hop ones and ``private`` (lower-case names:
+    credentials and the class header, consumed by the proxy)."""
+    return CIMultiDict(
+        (k, v)
+        for k, v in headers.items()
+        if k.lower() not in HOP_BY_HOP and k.lower() not in private
+    )
 
 
 def error_response(exc: ProxyError) -> web.Response:
@@ -79,22 +88,29 @@ class HttpFrontend:
 
     def app(self, max_body_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
-        r = app.router
-        r.add_get("/v2/health/live", self.live)
-        r.add_get("/v2/health/ready", self.ready)
-        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add_post(base + "/infer", self.infer)
-            r.add_post(base + "/generate", self.generate)
-            r.add_post(base + "/generate_stream", self.generate_stream)
-        r.add_post("/v2/repository/index", self.admin_first)
-        r.add_post("/v2/repository/models/{model}/load", self.admin_all)
-        r.add_post("/v2/repository/models/{model}/unload", self.admin_all)
-        for kind in ("systemsharedmemory", "cudasharedmemory"):
-            r.add_route("*", f"/v2/{kind}" + "{tail:.*}", self.shared_memory)
-        for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting", "/v2/logging"):
-            r.add_post(path, self.admin_all)
-        r.add_route("*", "/{tail:.*}", self.relay)
+        # One handler: the path is canonicalised and matched against the explicit table in
+        # proxy.frontends.routes, never by aiohttp's router (which would see decoded paths).
+        app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        route = routes.match(request.method, request.raw_path)
+        kind = route.kind
+        if kind is Kind.LIVE:
+            return web.Response(status=200)
+        if kind is Kind.READY:
+            # Triton answers 400 (with an empty body) when not ready.
+            return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+        if kind in INFERENCE_KINDS:
+            return await self._dispatch(request, route)
+        if kind is Kind.READ:
+            return await self.relay(request, route)
+        if kind is Kind.SHARED_MEMORY:
+            return self.shared_memory(route)
+        self._check_admin(request)
+        if kind is Kind.ADMIN_FIRST:
+            return await self.relay(request, route)
+        return await self.admin_all(request, route)
 
     # --- middleware -----------------------------------------------------------------------
     @web.middleware
@@ -114,14 +130,13 @@ class HttpFrontend:
                     "limits.max_body_bytes in the proxy's policy file to increase the limit.",
                 )
             )
-
-    # --- health ---------------------------------------------------------------------------
-    async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def ready(self, request: web.Request) -> web.Response:
-        # Triton answers 400 (with an empty body) when not ready.
-        return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+        except web.HTTPException as exc:
+            # aiohttp's own refusals (a target its router cannot even match, such as '*'),
+            # in Triton's error format.
+            if exc.status < 400:
+                raise
+            code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status)
+            return error_response(ProxyError(code or Code.INVALID_ARG, exc.reason))
 
     # --- inference ------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
@@ -130,64 +145,58 @@ class HttpFrontend:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         return await request.read()
 
-    def _call(self, request: web.Request, body: bytes) -> Call:
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        params = read_params(
-            body, headers.get(HEADER_LENGTH.lower()), encoded="content-encoding" in headers
-        )
+    async def _dispatch(self, request: web.Request, route: Route) -> web.StreamResponse:
         rt = self._rt()
-        return Call(
-            model=request.match_info["model"],
-            headers=headers,
-            params=params,
-            session_key=rt.session_key(headers),
+        assert route.model is not None
+        raw = await self._read_body(request)
+        body = decode_content(
+            raw, request.headers.get("Content-Encoding"), rt.config.limits.max_body_bytes
         )
-
-    async def infer(self, request: web.Request) -> web.StreamResponse:
-        return await self._dispatch(request, stream=False)
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._dispatch(request, stream=False)
-
-    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        return await self._dispatch(request, stream=True)
-
-    async def _dispatch(self, request: web.Request, *, stream: bool) -> web.StreamResponse:
-        body = await self._read_body(request)
-        call = self._call(request, body)
-        headers = _forward_headers(request.headers)
-        infer = request.path.endswith("/infer")
+        # The body goes upstream decoded, so its encoding header must not.
+        headers = _forward_headers(request.headers, rt.private_headers | {"content-encoding"})
+        infer = route.kind is Kind.INFER
+        header_length = request.headers.get(HEADER_LENGTH) if infer else None
+        call_headers = {k.lower(): v for k, v in request.headers.items()}
+        call = Call(
+            model=route.model,
+            headers=call_headers,
+            params=read_params(body, header_length),
+            session_key=rt.session_key(call_headers),
+        )
+        stream = route.kind is Kind.GENERATE_STREAM
 
         async def send(instance: Instance, priority: int | None) -> web.StreamResponse:
             data, hdrs = body, headers
-            if priority is not None and infer and "content-encoding" not in call.headers:
-                data, length = with_parameter(
-                    body, call.headers.get(HEADER_LENGTH.lower()), "priority", priority
-                )
+            # Triton's generate extension has no request priority (a "priority" key there is
+            # only a custom parameter): its class order is the proxy's queue alone.
+            if priority is not None and infer:
+                data, length = with_parameter(body, header_length, "priority", priority)
                 if length is not None:
                     hdrs = headers.copy()
                     hdrs[HEADER_LENGTH] = length
-            return await self._exchange(instance, request, data, hdrs, stream=stream)
+            return await self._exchange(
+                instance, request, route.upstream_path, data, hdrs, stream=stream
+            )
 
-        return await self._rt().dispatcher.run(
-            call, send, stream=stream, outcome=lambda r: str(r.status)
-        )
+        return await rt.dispatcher.run(call, send, stream=stream, outcome=lambda r: str(r.status))
 
     async def _exchange(
         self,
         instance: Instance,
         request: web.Request,
+        path: str,
         body: bytes,
         headers: CIMultiDict[str],
         *,
         stream: bool = False,
     ) -> web.StreamResponse:
-        """Send one request to ``instance`` and relay its answer to the client."""
+        """Send one request for ``path`` (built by the route table) to ``instance`` and relay
+        its answer to the client."""
         rt = self._rt()
         session = rt.upstreams.session(instance)
         try:
             upstream = await session.request(
-                request.method, request.rel_url.path_qs, data=body or None, headers=headers
+                request.method, path, data=body or None, headers=headers
             )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(str(exc)) from exc
@@ -219,44 +228,36 @@ class HttpFrontend:
             return response
 
     # --- everything else ------------------------------------------------------------------
-    async def relay(self, request: web.Request) -> web.StreamResponse:
+    async def relay(self, request: web.Request, route: Route) -> web.StreamResponse:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
-        body = await self._read_body(request)
-        headers = _forward_headers(request.headers)
-        return await self._rt().dispatcher.any_ready(
-            lambda instance: self._exchange(instance, request, body, headers)
+        rt = self._rt()
+        body = await self._read_body(request) if request.method == "POST" else b""
+        headers = _forward_headers(request.headers, rt.private_headers)
+        return await rt.dispatcher.any_ready(
+            lambda instance: self._exchange(instance, request, route.upstream_path, body, headers)
         )
 
-    async def shared_memory(self, request: web.Request) -> web.Response:
-        match = _SHARED_MEMORY_PATH.match(request.match_info["tail"])
-        if match is None:
-            raise ProxyError(Code.UNSUPPORTED, SHARED_MEMORY_MESSAGE)
-        action = _SHARED_MEMORY_ACTIONS[match["action"]]
-        kind: SharedMemoryKind = "cuda" if request.path.startswith("/v2/cuda") else "system"
-        shared_memory_call(kind, action, match["region"] or "")
+    def shared_memory(self, route: Route) -> web.Response:
+        kind: SharedMemoryKind = "cuda" if route.shm_kind == "cuda" else "system"
+        action = _SHARED_MEMORY_ACTIONS[route.shm_action]
+        shared_memory_call(kind, action, route.shm_region)
         # What Triton answers with no region registered.
         return web.json_response([]) if action == "status" else web.Response(status=200)
 
     def _check_admin(self, request: web.Request) -> None:
         check_admin(self._rt().config.admin, request.headers.get("Authorization"))
 
-    async def admin_first(self, request: web.Request) -> web.StreamResponse:
-        self._check_admin(request)
-        return await self.relay(request)
-
-    async def admin_all(self, request: web.Request) -> web.Response:
+    async def admin_all(self, request: web.Request, route: Route) -> web.Response:
         """Load/unload/settings go to every instance; the first failure is returned."""
-        self._check_admin(request)
-        body = await self._read_body(request)
-        headers = _forward_headers(request.headers)
-        headers.pop("Authorization", None)
         rt = self._rt()
+        body = await self._read_body(request)
+        headers = _forward_headers(request.headers, rt.private_headers)
         answers: list[tuple[str, int, bytes]] = []
         for instance in rt.fleet.all():
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
-                    request.method, request.rel_url.path_qs, data=body or None, headers=headers
+                    request.method, route.upstream_path, data=body or None, headers=headers
                 ) as resp:
                     answers.append((instance.name, resp.status, await resp.read()))
             except aiohttp.ClientError as exc:

@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.frontends.kserve_http import NO_PARAMS, InferParams, params_from_mapping
+from proxy.request import NO_PARAMS, InferParams, params_from_mapping
 
 _MODEL_NAME = 1
 _PARAMETERS = 4
@@ -31,6 +31,47 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             raise ValueError("varint longer than 10 bytes")
+
+
+def _fields(data: bytes) -> list[tuple[int, int, int, int]]:
+    """``(field number, wire type, value start, value end)`` of each top-level field."""
+    pos, end = 0, len(data)
+    out = []
+    while pos < end:
+        key, pos = _varint(data, pos)
+        wire = key & 7
+        start = pos
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, start = _varint(data, pos)
+            pos = start + length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated message")
+        out.append((key >> 3, wire, start, pos))
+    return out
+
+
+def nested_fields(data: bytes, number: int, *, packed_ok: bool = False) -> list[bytes]:
+    """The payloads of length-delimited field ``number`` of ``data`` (a message's bytes).
+
+    With ``packed_ok``, a varint field ``number`` (an unpacked repeated integer) is returned as
+    its own varint bytes, so packed and unpacked encodings read the same. Raises
+    ``ValueError`` (or ``IndexError``) on malformed input.
+    """
+    out = []
+    for field, wire, start, stop in _fields(data):
+        if field != number:
+            continue
+        if wire == 2 or (packed_ok and wire == 0):
+            out.append(data[start:stop])
+    return out
 
 
 def routing_fields(data: bytes) -> bytes:

@@ -1,56 +1,106 @@
 """The little of KServe v2 HTTP bodies that routing reads, and the one edit it makes.
 
-Bodies are forwarded untouched. Only the JSON header (the whole body, or its first
-``Inference-Header-Content-Length`` bytes when binary tensors follow) is looked at, and only
-when it may hold what routing needs.
+Bodies are forwarded untouched, with two exceptions that security needs:
+
+- a compressed inference body (``Content-Encoding: gzip`` or ``deflate``, which Triton
+  accepts) is decompressed, bounded by the body limit, and forwarded uncompressed: otherwise
+  the proxy could neither read its routing parameters nor enforce the class's priority;
+- when the request's class sets a Triton ``priority``, the JSON header gets that parameter,
+  whatever the client put there. A body whose JSON header cannot be read is then refused with
+  400 rather than passed through with the client's own priority.
+
+Only the JSON header (the whole body, or its first ``Inference-Header-Content-Length`` bytes
+when binary tensors follow) is ever looked at; binary tensor bytes are never touched.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+import zlib
+
+from proxy.errors import Code, ProxyError
+from proxy.request import NO_PARAMS, InferParams, params_from_mapping
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+_DECOMPRESS_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# The only ways a JSON object key can spell "parameters": literally, or with \u escapes.
+_PARAMETERS_KEY = b'"parameters"'
+_UNICODE_ESCAPE = b"\\u"
 
 
-@dataclass(frozen=True)
-class InferParams:
-    """Request parameters that steer routing."""
+def decode_content(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """The body as Triton would read it: decompressed when gzip or deflate, at most ``limit``.
 
-    sequence_id: int | str | None = None
-    sequence_start: bool = False
-    sequence_end: bool = False
-    priority: int | None = None
+    Raises :class:`ProxyError`: 413 past the limit (a zip bomb costs the proxy no more than a
+    plain body of the limit's size), 400 for an undecodable body or an unknown encoding.
+    """
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    wbits = _DECOMPRESS_WBITS.get(encoding)
+    if wbits is None:
+        raise ProxyError(
+            Code.INVALID_ARG,
+            f"unsupported Content-Encoding {encoding[:32]!r} for an inference request: "
+            "use gzip, deflate or identity",
+        )
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ProxyError(
+            Code.INVALID_ARG, f"failed to decompress the {encoding} request body: {exc}"
+        ) from exc
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise ProxyError(
+            Code.PAYLOAD_TOO_LARGE,
+            f"the decompressed request body exceeds the maximum allowed size of {limit} bytes",
+        )
+    if not inflater.eof:
+        raise ProxyError(Code.INVALID_ARG, f"the {encoding} request body is truncated")
+    return data
 
 
-NO_PARAMS = InferParams()
+def header_length_of(body: bytes, header_length: str | None) -> int:
+    """Length of the JSON header within ``body`` (Triton's checks and its error message)."""
+    if header_length is None:
+        return len(body)
+    try:
+        n = int(header_length.strip())
+    except ValueError:
+        raise ProxyError(
+            Code.INVALID_ARG,
+            f"Unable to parse inference header size, got: {header_length[:32]}",
+        ) from None
+    if n < 0 or n > len(body):
+        raise ProxyError(
+            Code.INVALID_ARG,
+            f"inference header size should be in range (0, {len(body)}), got: {n}",
+        )
+    return n
 
 
 def json_header(body: bytes, header_length: str | None) -> bytes:
     """The JSON part of an infer body (all of it unless binary tensors follow)."""
-    if header_length is None:
-        return body
-    try:
-        n = int(header_length)
-    except ValueError:
-        return body
-    return body[:n] if 0 < n <= len(body) else body
+    return body[: header_length_of(body, header_length)]
 
 
-def read_params(body: bytes, header_length: str | None, encoded: bool) -> InferParams:
-    """Parameters from the request, or defaults when the body can't or needn't be read.
+def _may_hold_parameters(header: bytes) -> bool:
+    return _PARAMETERS_KEY in header or _UNICODE_ESCAPE in header
 
-    A body we cannot parse is still forwarded: Triton then answers with its own exact error.
+
+def read_params(body: bytes, header_length: str | None) -> InferParams:
+    """Parameters from the request, or defaults when the body holds none.
+
+    A body whose JSON cannot be parsed yields defaults and is still forwarded (unless a
+    priority must be set, see :func:`with_parameter`): Triton answers with its own error.
     """
-    if encoded:
-        return NO_PARAMS
     header = json_header(body, header_length)
-    if b'"parameters"' not in header:
+    if not _may_hold_parameters(header):
         return NO_PARAMS
     try:
         doc = json.loads(header)
-    except ValueError:
+    except (ValueError, RecursionError):
         return NO_PARAMS
     params = doc.get("parameters") if isinstance(doc, dict) else None
     if not isinstance(params, dict):
@@ -58,16 +108,11 @@ def read_params(body: bytes, header_length: str | None, encoded: bool) -> InferP
     return params_from_mapping(params)
 
 
-def params_from_mapping(params: dict[str, Any]) -> InferParams:
-    seq = params.get("sequence_id")
-    if isinstance(seq, bool) or not isinstance(seq, int | str) or seq in (0, ""):
-        seq = None
-    prio = params.get("priority")
-    return InferParams(
-        sequence_id=seq,
-        sequence_start=params.get("sequence_start") is True,
-        sequence_end=params.get("sequence_end") is True,
-        priority=prio if isinstance(prio, int) and not isinstance(prio, bool) else None,
+def _unreadable(why: str) -> ProxyError:
+    return ProxyError(
+        Code.INVALID_ARG,
+        f"triton-proxy could not set the request class's priority: {why}; "
+        "send a KServe v2 inference request whose JSON header is an object",
     )
 
 
@@ -76,16 +121,20 @@ def with_parameter(
 ) -> tuple[bytes, str | None]:
     """Set one top-level request parameter; returns the new body and header length.
 
-    When the header has no ``parameters`` yet, the object is spliced in after the opening
-    brace, so a large JSON body is not re-serialised; otherwise only the JSON header is
-    parsed and re-written. Binary tensor bytes after the header are never touched.
+    Whatever the client sent for ``name`` is replaced. When the JSON header cannot spell a
+    ``parameters`` key (neither the literal key nor any ``\\u`` escape occurs in it), the object
+    is spliced in after the opening brace, so a large JSON body is not re-serialised. Otherwise
+    the header is parsed and re-written whole: duplicate keys collapse to the one the proxy set,
+    so no parser, Python's or Triton's RapidJSON, can read another value. Binary tensor bytes
+    after the header are never touched. Raises :class:`ProxyError` (400) when the header is
+    not a JSON object.
     """
     header = json_header(body, header_length)
     tail = body[len(header) :]
-    if b'"parameters"' not in header:
+    if not _may_hold_parameters(header):
         start = header.find(b"{")
-        if start < 0:
-            return body, header_length
+        if start < 0 or header[:start].strip():
+            raise _unreadable("the JSON header is not an object")
         rest = header[start + 1 :].lstrip()
         sep = b"" if rest.startswith(b"}") else b","
         insert = b'"parameters":{"%s":%d}%s' % (name.encode(), value, sep)
@@ -93,11 +142,16 @@ def with_parameter(
     else:
         try:
             doc = json.loads(header)
-        except ValueError:
-            return body, header_length
-        if not isinstance(doc, dict) or not isinstance(doc.get("parameters"), dict):
-            return body, header_length
-        doc["parameters"][name] = value
+        except (ValueError, RecursionError) as exc:
+            raise _unreadable(f"its JSON does not parse ({exc})") from exc
+        if not isinstance(doc, dict):
+            raise _unreadable("the JSON header is not an object")
+        params = doc.get("parameters")
+        if params is None:
+            params = doc["parameters"] = {}
+        if not isinstance(params, dict):
+            raise _unreadable("'parameters' is not an object")
+        params[name] = value
         new_header = json.dumps(doc, separators=(",", ":")).encode()
     new_length = str(len(new_header)) if header_length is not None else None
     return new_header + tail, new_length

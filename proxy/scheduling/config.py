@@ -20,9 +20,9 @@ path inside it. Omitting the section gives three classes::
       classes:
         realtime: {rank: 0, triton_priority: 1, slo_p99_ms: 100, min_share: 0.2,
                    max_queue: 200, queue_timeout_s: 2, weight: 6}
-        online:   {rank: 1, triton_priority: 2, slo_p99_ms: 500,
+        online:   {rank: 1, triton_priority: 2, slo_p99_ms: 500, min_share: 0.1,
                    max_queue: 1000, queue_timeout_s: 10, weight: 3}
-        offline:  {rank: 2, triton_priority: 3, max_share: 0.5,
+        offline:  {rank: 2, triton_priority: 3, max_share: 0.5, min_share: 0.05,
                    max_queue: 5000, queue_timeout_s: 120, weight: 1}
 
 ``classes`` replaces the default set as a whole; ``default_class`` must name one of them.
@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from proxy import strict
+from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
 
@@ -60,6 +61,10 @@ class ClassConfig:
     """Latency objective; read by the SLO controllers, not by the queues."""
     max_concurrency: int | None = None
     """Hard cap on this class's requests in flight, whatever the capacity."""
+    max_per_instance: int | None = None
+    """At most this many of the class's requests in flight on any one instance (placement
+    spreads them). Keeps long, low-priority work from padding the batches of every instance:
+    e.g. 1 for an offline class of long requests."""
     min_share: float = 0.0
     """Fraction of capacity reserved while this class has work waiting: others cannot take the
     last ``floor(min_share * capacity)`` slots it is short of."""
@@ -83,6 +88,8 @@ class ClassConfig:
             raise ValueError(f"slo_p99_ms must be > 0, got {self.slo_p99_ms}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 or null, got {self.max_concurrency}")
+        if self.max_per_instance is not None and self.max_per_instance < 1:
+            raise ValueError(f"max_per_instance must be >= 1 or null, got {self.max_per_instance}")
         if not 0.0 <= self.min_share <= 1.0:
             raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
         if not 0.0 < self.max_share <= 1.0:
@@ -100,8 +107,9 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
-    def share_limit(self, capacity: int) -> int:
-        """Most slots this class may hold out of ``capacity`` (max_share and max_concurrency).
+    def share_limit(self, capacity: int, instances: int = 1) -> int:
+        """Most slots this class may hold out of ``capacity`` over ``instances`` healthy
+        instances (max_share, max_concurrency and max_per_instance).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
         """
@@ -110,18 +118,26 @@ class ClassConfig:
             limit = max(1, math.floor(self.max_share * capacity + 1e-9))
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
+        if self.max_per_instance is not None:
+            limit = min(limit, max(1, self.max_per_instance * instances))
         return limit
 
-    def reserved(self, capacity: int) -> int:
+    def reserved(self, capacity: int, instances: int = 1) -> int:
         """Slots guaranteed to this class while it has work waiting (``min_share``)."""
-        return min(math.floor(self.min_share * capacity + 1e-9), self.share_limit(capacity))
+        return min(
+            math.floor(self.min_share * capacity + 1e-9), self.share_limit(capacity, instances)
+        )
 
 
 @dataclass(frozen=True)
 class AgingConfig:
     """Anti-starvation for ``strict_aging``.
 
-    A request's effective rank is ``max(0, rank - floor(waited / step_s))``; the queue heads are
+    A request's effective rank is ``max(floor_rank, rank - floor(waited / step_s))`` where
+    ``floor_rank`` is 0 for the most important class and 1 for every other one: aging lets a
+    lower class catch up with the others, but never outrank the top class. What keeps the
+    lowest classes from starving under overload is their ``min_share`` reservation. The queue
+    heads are
     served in order of (effective rank, arrival time). A request of rank ``r`` that arrives at
     ``t0`` therefore has effective rank 0 from ``t0 + r * step_s`` on, and from then on only
     requests that were already queued at ``t0`` can be dispatched before it (later ones lose the
@@ -166,6 +182,7 @@ def _default_classes() -> Mapping[str, ClassConfig]:
                 rank=1,
                 triton_priority=2,
                 slo_p99_ms=500.0,
+                min_share=0.1,
                 max_queue=1000,
                 queue_timeout_s=10.0,
                 weight=3,
@@ -174,6 +191,7 @@ def _default_classes() -> Mapping[str, ClassConfig]:
                 rank=2,
                 triton_priority=3,
                 max_share=0.5,
+                min_share=0.05,
                 max_queue=5000,
                 queue_timeout_s=120.0,
                 weight=1,
@@ -184,13 +202,6 @@ def _default_classes() -> Mapping[str, ClassConfig]:
 
 def _no_keys() -> Mapping[str, ApiKeyConfig]:
     return MappingProxyType({})
-
-
-def _mask(key: str) -> str:
-    """Enough of a key to find it in the file, not enough to use it."""
-    if key.startswith(HASHED_KEY_PREFIX):
-        return key[: len(HASHED_KEY_PREFIX) + 8] + "..."
-    return key[:4] + "..." if len(key) > 8 else "..."
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,9 @@ class SchedulingConfig:
     max_queued_total: int | None = None
     """Bound on requests queued over all classes; null = only the per-class ``max_queue``."""
     retry_after_s: float = 1.0
-    api_keys: Mapping[str, ApiKeyConfig] = field(default_factory=_no_keys)
+    api_keys: Mapping[str, ApiKeyConfig] = field(
+        default_factory=_no_keys, metadata=strict.SECRET_KEYS
+    )
     class_header: str = "x-triton-proxy-class"
     api_key_header: str = "authorization"
     """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
@@ -231,14 +244,14 @@ class SchedulingConfig:
                 raise ValueError("api_keys: an empty key")
             if grant.class_name not in self.classes:
                 raise ValueError(
-                    f"api_keys[{_mask(key)}]: class {grant.class_name!r} is not a class; "
+                    f"api_keys[{mask_secret(key)}]: class {grant.class_name!r} is not a class; "
                     f"known: {known}"
                 )
             if key.startswith(HASHED_KEY_PREFIX) and not re.fullmatch(
                 r"[0-9a-fA-F]{64}", key[len(HASHED_KEY_PREFIX) :]
             ):
                 raise ValueError(
-                    f"api_keys[{_mask(key)}]: after '{HASHED_KEY_PREFIX}' give 64 hex digits"
+                    f"api_keys[{mask_secret(key)}]: after '{HASHED_KEY_PREFIX}' give 64 hex digits"
                 )
         for what, header in (
             ("class_header", self.class_header),
@@ -257,14 +270,15 @@ class SchedulingConfig:
         """The ``priority`` parameter to set on a request of ``class_name``, or None for none.
 
         ``priority_levels`` is the target model's ``dynamic_batching.priority_levels`` (0 when
-        absent). Triton ignores priority without priority levels, so none is set then, nor for
-        a class with ``triton_priority: 0``. A level above the model's count is clamped to its
-        lowest level (``priority_levels``): Triton itself would treat it as the *default*
-        level, which may rank above it and would invert the classes.
+        absent). Triton ignores priority without priority levels, so none is set then.
+        Otherwise the class always decides, whatever the client sent: a class with
+        ``triton_priority: 0`` gets 0, Triton's default level. A level above the model's count
+        is clamped to its lowest level (``priority_levels``): Triton itself would treat it as
+        the *default* level, which may rank above it and would invert the classes.
         """
-        cls = self.classes.get(class_name)
-        if cls is None or cls.triton_priority == 0 or priority_levels <= 0:
+        if priority_levels <= 0:
             return None
+        cls = self.classes.get(class_name) or self.classes[self.default_class]
         return min(cls.triton_priority, priority_levels)
 
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:

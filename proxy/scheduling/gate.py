@@ -154,9 +154,11 @@ class Gate:
         capacity: Callable[[], int],
         clock: Clock,
         observer: GateObserver | None = None,
+        instances: Callable[[], int] = lambda: 1,
     ) -> None:
         self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
         self._capacity = capacity
+        self._instances = instances
         self._clock = clock
         self._observer = observer if observer is not None else GateObserver()
         self._order = 0
@@ -261,7 +263,8 @@ class Gate:
                 for expired in self._core.expire(now):
                     self._fail(expired, ShedReason.TIMEOUT)
                 capacity = max(0, self._capacity())
-                while (entry := self._core.pop(now, capacity)) is not None:
+                instances = max(1, self._instances())
+                while (entry := self._core.pop(now, capacity, instances)) is not None:
                     future = entry.item
                     if future.done():
                         # Its task was cancelled while queued and has not run its handler yet;

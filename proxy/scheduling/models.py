@@ -61,7 +61,11 @@ class ModelGates:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(
-                self.config, lambda: self.capacity(info), self.clock, self.observer
+                self.config,
+                lambda: self.capacity(info),
+                self.clock,
+                self.observer,
+                instances=lambda: len(self.fleet.healthy()),
             )
         return gate
 

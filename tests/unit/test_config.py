@@ -39,3 +39,20 @@ def test_load_file_reports_yaml_errors(tmp_path: Path) -> None:
         config.load_file(p)
     with pytest.raises(ConfigError, match="cannot read policy file"):
         config.load_file(tmp_path / "missing.yaml")
+
+
+def test_secrets_never_appear_in_config_errors() -> None:
+    base = {"instances": [{"name": "a", "http": "http://x"}]}
+    mistakes = [
+        {"admin": {"enabled": True, "token": 98765432101}},
+        {"admin": {"enabled": True, "token": ["s3cr3t-token-value"]}},
+        {"scheduling": {"api_keys": {"s3cr3t-token-value": {"clas_name": "online"}}}},
+        {"scheduling": {"api_keys": {"s3cr3t-token-value": {"class_name": "nope"}}}},
+        {"scheduling": {"api_keys": {"s3cr3t-token-value": {"class_name": 7}}}},
+    ]
+    for mistake in mistakes:
+        with pytest.raises(ConfigError) as info:
+            config.parse({**base, **mistake}, "policy.yaml")
+        text = str(info.value)
+        assert "s3cr3t" not in text and "98765432101" not in text, text
+        assert "policy.yaml" in text

@@ -9,7 +9,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from proxy.frontends.grpc import SERVICE, GrpcFrontend
 from proxy.frontends.kserve_grpc import read_infer, routing_fields, with_parameter
-from proxy.frontends.kserve_http import NO_PARAMS, InferParams
+from proxy.request import NO_PARAMS, InferParams
 
 
 def request(**params: Any) -> Any:
@@ -43,7 +43,8 @@ def request(**params: Any) -> Any:
         ({"sequence_id": ("int64_param", 0)}, NO_PARAMS),
         ({"priority": ("uint64_param", 2)}, InferParams(priority=2)),
         ({"priority": ("int64_param", 1)}, InferParams(priority=1)),
-        ({"timeout": ("int64_param", 1000)}, NO_PARAMS),
+        ({"timeout": ("int64_param", 1000)}, InferParams(timeout_us=1000)),
+        ({"timeout": ("int64_param", -5)}, NO_PARAMS),
     ],
 )
 def test_read_infer(params: dict[str, tuple[str, Any]], expected: InferParams) -> None:

@@ -1,8 +1,17 @@
+import gzip
 import json
+import zlib
 
 import pytest
 
-from proxy.frontends.kserve_http import InferParams, read_params, with_parameter
+from proxy.errors import Code, ProxyError
+from proxy.frontends.kserve_http import (
+    decode_content,
+    json_header,
+    read_params,
+    with_parameter,
+)
+from proxy.request import InferParams
 
 BINARY_TAIL = b"\x00\x01\x02\x03" * 4
 
@@ -29,15 +38,24 @@ def binary_body(header: dict[str, object]) -> tuple[bytes, str]:
 )
 def test_read_params_json_and_binary(header: dict[str, object], expected: InferParams) -> None:
     body = json.dumps(header).encode()
-    assert read_params(body, None, encoded=False) == expected
+    assert read_params(body, None) == expected
     bbody, length = binary_body(header)
-    assert read_params(bbody, length, encoded=False) == expected
+    assert read_params(bbody, length) == expected
 
 
-def test_unparseable_or_compressed_bodies_are_left_to_triton() -> None:
-    assert read_params(b'{"parameters": {bad', None, encoded=False) == InferParams()
-    body = json.dumps({"parameters": {"sequence_id": 3}}).encode()
-    assert read_params(body, None, encoded=True) == InferParams()
+def test_read_params_sees_escaped_keys_and_leaves_unparseable_bodies_to_triton() -> None:
+    assert read_params(b'{"parameters": {bad', None) == InferParams()
+    escaped = b'{"param\\u0065ters": {"sequence_id": 9}}'
+    assert read_params(escaped, None) == InferParams(sequence_id=9)
+
+
+@pytest.mark.parametrize("length", ["abc", "-1", "9999"])
+def test_bad_header_length_is_refused_as_triton_would(length: str) -> None:
+    body, _ = binary_body({"inputs": []})
+    with pytest.raises(ProxyError) as info:
+        json_header(body, length)
+    assert info.value.code is Code.INVALID_ARG
+    assert "inference header size" in info.value.message
 
 
 @pytest.mark.parametrize(
@@ -46,6 +64,7 @@ def test_unparseable_or_compressed_bodies_are_left_to_triton() -> None:
         {"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [1]}]},
         {},
         {"parameters": {"sequence_id": 5}, "inputs": []},
+        {"parameters": {"priority": 1}, "inputs": []},
     ],
 )
 def test_with_parameter_keeps_everything_else(header: dict[str, object]) -> None:
@@ -66,3 +85,69 @@ def test_with_parameter_keeps_everything_else(header: dict[str, object]) -> None
         expected = json.loads(json.dumps(header))
         expected.setdefault("parameters", {})["priority"] = 2
         assert doc == expected
+
+
+def _keys(raw: bytes, name: str) -> list[object]:
+    """Every value of top-level key ``name``, duplicates included, in order."""
+    found: list[object] = []
+
+    def hook(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        found.extend(v for k, v in pairs if k == name)
+        return dict(pairs)
+
+    json.loads(raw, object_pairs_hook=hook)
+    return found
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        # Duplicate top-level keys: Python keeps the last, Triton's RapidJSON finds the first.
+        b'{"parameters":{"priority":1},"inputs":[],"parameters":{"priority":1}}',
+        # A key spelt with escapes is the same key to every JSON parser.
+        b'{"inputs":[],"param\\u0065ters":{"priority":1}}',
+        b'{"inputs":[],"parameters":{"prior\\u0069ty":1}}',
+        # "parameters" only inside an input: the top level has none yet.
+        b'{"inputs":[{"name":"X","parameters":{"binary_data_size":4}}]}',
+    ],
+)
+def test_the_class_priority_wins_over_any_spelling(header: bytes) -> None:
+    new_body, _ = with_parameter(header, None, "priority", 3)
+    params = _keys(new_body, "parameters")
+    top = [p for p in params if isinstance(p, dict) and "binary_data_size" not in p]
+    assert top == [{"priority": 3}] or (len(top) == 1 and top[0]["priority"] == 3)  # type: ignore[index]
+    assert all(v == 3 for v in _keys(new_body, "priority"))
+
+
+# A body such as '{not json' gets the splice (nothing in it can name a parameter) and Triton
+# refuses it; one that might hold parameters but does not parse is refused here.
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b'{"parameters": {', b"garbage {"])
+def test_a_body_that_cannot_carry_the_priority_is_refused(body: bytes) -> None:
+    with pytest.raises(ProxyError) as info:
+        with_parameter(body, None, "priority", 1)
+    assert info.value.code is Code.INVALID_ARG
+
+
+def test_decode_content() -> None:
+    raw = json.dumps({"inputs": [], "parameters": {"priority": 1}}).encode()
+    assert decode_content(raw, None, 1 << 20) == raw
+    assert decode_content(raw, "identity", 1 << 20) == raw
+    assert decode_content(gzip.compress(raw), "gzip", 1 << 20) == raw
+    assert decode_content(zlib.compress(raw), "Deflate", 1 << 20) == raw
+    with pytest.raises(ProxyError) as info:
+        decode_content(raw, "br", 1 << 20)
+    assert info.value.code is Code.INVALID_ARG
+    with pytest.raises(ProxyError) as info:
+        decode_content(b"not gzip", "gzip", 1 << 20)
+    assert info.value.code is Code.INVALID_ARG
+    with pytest.raises(ProxyError) as info:
+        decode_content(gzip.compress(raw)[:-12], "gzip", 1 << 20)
+    assert info.value.code is Code.INVALID_ARG
+
+
+def test_a_zip_bomb_costs_no_more_than_the_limit() -> None:
+    bomb = gzip.compress(b"\0" * (8 << 20))
+    assert len(bomb) < 64 << 10
+    with pytest.raises(ProxyError) as info:
+        decode_content(bomb, "gzip", 1 << 20)
+    assert info.value.code is Code.PAYLOAD_TOO_LARGE

@@ -187,6 +187,7 @@ def test_registry_lists_every_policy() -> None:
         "weighted_score",
         "p2c",
         "consistent_hash",
+        "expected_start",
     }
     for name in POLICIES:
         policy = build_policy(name, None, random.Random(0))

@@ -104,7 +104,8 @@ def test_api_key_errors_do_not_print_the_key() -> None:
         (3, 3, 3),
         (5, 3, 3),  # above the model's levels: its lowest level, not Triton's default
         (2, 0, None),  # the model has no priority levels: Triton would ignore it
-        (0, 3, None),  # the class asks for none
+        # The class sets none: Triton's default level (0), overriding the client's own.
+        (0, 3, 0),
     ],
 )
 def test_triton_priority_for(triton_priority: int, levels: int, expected: int | None) -> None:
@@ -112,7 +113,8 @@ def test_triton_priority_for(triton_priority: int, levels: int, expected: int | 
         classes={"a": ClassConfig(rank=0, triton_priority=triton_priority)}, default_class="a"
     )
     assert config.triton_priority_for("a", levels) == expected
-    assert config.triton_priority_for("nope", levels) is None
+    # A class a reload removed counts as the default class.
+    assert config.triton_priority_for("nope", levels) == expected
 
 
 @pytest.mark.parametrize(
