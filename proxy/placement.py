@@ -39,7 +39,7 @@ class FleetPlacement:
     ) -> list[Candidate]:
         model = request.model
         out = []
-        for inst in self.fleet.healthy():
+        for inst in self.fleet.serving(model):
             if inst.name in exclude:
                 continue
             out.append(

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from proxy.budget import ByteBudget
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
 from proxy.dispatch import Dispatcher
@@ -73,6 +74,9 @@ class Runtime:
             request_timeout_s=config.limits.request_timeout_s,
         )
         self.health = HealthChecker(self.fleet)
+        self.budget = ByteBudget(config.limits.max_buffered_bytes)
+        self.draining = False
+        """Shutdown began: readiness answers "not ready" (see ``ProxyServer.stop``)."""
         self.affinity = SequenceAffinity(
             clock,
             max_entries=config.sequences.max_entries,
@@ -110,6 +114,8 @@ class Runtime:
             admission=self.gates,
             classifier=classifier,
             max_retries=config.routing.retry.max_retries,
+            request_timeout_s=config.limits.request_timeout_s,
+            on_lost=self.upstreams.reset,
         )
 
     # --- wiring -------------------------------------------------------------------------
@@ -125,7 +131,11 @@ class Runtime:
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
             self.telemetry.ejections.labels(instance.name).inc()
-            self.affinity.forget_instance(instance.name)
+            self.affinity.forget_instance(instance.name, f"was ejected ({instance.ejected_reason})")
+
+    def ready(self) -> bool:
+        """What the proxy's own readiness endpoints answer."""
+        return not self.draining and self.fleet.any_healthy()
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None
@@ -193,7 +203,7 @@ class Runtime:
             for model, gate in self.gates.gates.items():
                 info = self.catalog.cached(model)
                 if info is not None:
-                    capacity.add_metric([model], self.gates.capacity(info))
+                    capacity.add_metric([model], self.gates.capacity(info, model))
                 for klass in gate.config.classes:
                     queued.add_metric([model, klass], gate.queued(klass))
                     running.add_metric([model, klass], gate.in_flight(klass))
@@ -214,6 +224,11 @@ class Runtime:
             for name in ("listen", "limits", "sequences", "scrape")
             if getattr(config, name) != getattr(self.config, name)
         ]
+        new_specs = {i.name: i for i in config.instances}
+        for inst in self.fleet.all():
+            if new_specs.get(inst.name) != inst.spec:
+                # Its open sequences cannot follow it (their state lives on that server).
+                self.affinity.forget_instance(inst.name, "was removed by a policy reload")
         self.fleet.set_specs(config.instances, config.health)
         self.scraper.set_targets({i.name: i.metrics for i in config.instances if i.metrics})
         await self.upstreams.retire({i.name for i in config.instances})

@@ -1,9 +1,9 @@
 """Class admission per model: one gate each, sized from the fleet and the model's batching.
 
 Each Triton model has its own batcher queue on every instance, so each model gets its own pool
-of dispatch slots: ``healthy instances x per-instance concurrency`` (from the policy, or derived
-from the model's ``max_batch_size`` and instance count). Excess requests wait in the proxy's
-class queues, where the order is ours.
+of dispatch slots: ``instances serving the model x per-instance concurrency`` (from the
+policy, or derived from the model's ``max_batch_size`` and instance count). Excess requests
+wait in the proxy's class queues, where the order is ours.
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ class ModelGates:
         self.gates: dict[str, Gate] = {}
         fleet.listeners.append(lambda _instance: self.poke())
 
-    def capacity(self, info: ModelInfo) -> int:
+    def capacity(self, info: ModelInfo, model: str) -> int:
         per_instance = self.config.instance_concurrency(info.max_batch_size, info.model_instances)
-        return len(self.fleet.healthy()) * per_instance
+        return len(self.fleet.serving(model)) * per_instance
 
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
             gate = self.gates[model] = Gate(
                 self.config,
-                lambda: self.capacity(info),
+                lambda: self.capacity(info, model),
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.healthy()),
@@ -76,6 +76,10 @@ class ModelGates:
         """Wait for a slot; yields the Triton priority to set on the request (or None)."""
         async with self.gate(model, info).admit(class_name):
             yield self.config.triton_priority_for(class_name, info.priority_levels)
+
+    def queued_total(self) -> int:
+        """Requests waiting in any model's class queue."""
+        return sum(gate.queued() for gate in self.gates.values())
 
     def poke(self) -> None:
         for gate in self.gates.values():
