@@ -39,6 +39,8 @@ class HttpCase:
     kind: str
     data: bytes
     must_refuse: bool = False
+    parser_level: bool = False
+    """Rejected by the HTTP parser before any handler runs (aiohttp answers a plain 400)."""
     may_drop: bool = False
     half_close: bool = False
 
@@ -208,7 +210,9 @@ def _ssrf(rng: random.Random, canary: int) -> HttpCase:
         method = rng.choice(("CONNECT", "GET"))
         target = host
     body = b"{}" if method == "POST" else b""
-    return HttpCase("ssrf", build(method, target, [("Host", host)], body), must_refuse=True)
+    data = build(method, target, [("Host", host)], body)
+    parser = method != "CONNECT" and target == host
+    return HttpCase("ssrf", data, must_refuse=True, parser_level=parser)
 
 
 def _odd_method(rng: random.Random) -> HttpCase:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -104,22 +103,22 @@ def test_n_consecutive_failures_eject(proxy_on: ProxyFactory, fakes: FakeFleet) 
 def test_a_model_unloaded_on_one_instance_leaves_its_other_models_in_rotation(
     proxy_on: ProxyFactory, fakes: FakeFleet
 ) -> None:
-    """As the issue measured on Triton 2.51: after unloading one model, that server's
-    readiness answers 400. Its other models must keep being served there."""
+    """As Triton 2.51 does after an unload (measured on the faults branch): the server stays
+    ready, the model's own readiness answers 400 and its requests 404 "Request for unknown
+    model". The model leaves rotation there; the instance keeps serving its other models."""
     with proxy_on(ROUND_ROBIN) as proxy:
         port = port_of(proxy)
         assert statuses(port, 6) == [200] * 6
         victim = fakes.servers[0]
         victim.models.pop("simple")
-        victim.ready = False
-        time.sleep(1.0)  # several probe intervals
         fakes.clear()
         simple = statuses(port, 30, "simple")
         plain = statuses(port, 30, "plain")
     assert simple == [200] * 30, simple
     assert plain == [200] * 30, plain
-    on_victim = {(r.model or "") for r in victim.inferences()}
-    assert "simple" not in on_victim, "requests for the unloaded model still sent there"
+    on_victim = [r.model for r in victim.inferences()]
+    # The first one or two may still be sent there (then retried elsewhere); not ten.
+    assert on_victim.count("simple") <= 2, "requests for the unloaded model still sent there"
     assert "plain" in on_victim, "the whole instance left rotation for one unloaded model"
 
 

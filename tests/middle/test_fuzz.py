@@ -32,11 +32,11 @@ from tritonclient.grpc import service_pb2 as pb
 
 from tests.fakes.fuzz import OTHER_KEY, grpc_cases, http_cases, invented_model
 from tests.fakes.fuzzrun import (
-    UNHANDLED_IN_LOG,
     grpc_problem,
     http_problem,
     send_grpc,
     send_http,
+    unhandled_errors,
 )
 from tests.fakes.process import ProxyProcess
 from tests.fakes.rawhttp import build, exchange
@@ -182,8 +182,10 @@ async def test_fuzz_bad_requests(fuzz_fakes: FakeFleet, tmp_path: Path) -> None:
     assert served, "a plain inference request fails after the fuzz run"
     unhealthy = re.findall(r'triton_proxy_instance_healthy\{instance="([^"]+)"\} 0', metrics)
     assert not unhealthy, f"bad requests ejected instances: {unhealthy}"
-    unhandled = [line for line in log.splitlines() if UNHANDLED_IN_LOG.search(line)]
-    assert not unhandled, f"unhandled exceptions in the proxy's log: {unhandled[:5]}"
+    unhandled = unhandled_errors(log)
+    assert not unhandled, f"{len(unhandled)} unhandled exceptions in the proxy's log:\n" + (
+        "\n---\n".join(unhandled[:3])
+    )
     assert rss_end - rss_warm < RSS_GROWTH_BOUND, (
         f"proxy RSS grew {(rss_end - rss_warm) >> 20} MiB after the warm-up "
         f"({rss_warm >> 20} -> {rss_end >> 20} MiB)"

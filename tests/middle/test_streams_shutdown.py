@@ -82,19 +82,23 @@ def _free_port_refuses(port: int) -> bool:
 
 
 def test_sigterm_drains_queued_and_in_flight_requests(tmp_path: Path) -> None:
-    """Capacity 3, 12 concurrent requests of 1.5 s each, then SIGTERM: in-flight ones finish
-    (200), queued ones finish or get 503 in Triton's format; readiness goes false (or the
-    listener closes) at once; the process exits 0 within the drain timeout."""
+    """Capacity 3, 12 concurrent requests of 1 s each (4 s of work), drain timeout 2.5 s, then
+    SIGTERM: in-flight ones finish (200), queued ones finish or get 503 in Triton's format;
+    readiness goes false (or the listener closes) at once; the process exits 0."""
     with FakeFleet(3) as fakes:
         for fake in fakes.servers:
-            fake.faults.append(Fault("delay", delay_s=1.5))
+            fake.faults.append(Fault("delay", delay_s=1.0))
         policy: dict[str, Any] = {
             "instances": [
                 {"name": s.name, "http": s.http_url, "grpc": s.grpc_address} for s in fakes.servers
             ],
             "health": FAST_HEALTH,
-            "limits": {"drain_timeout_s": 10},
-            **TIGHT,
+            "limits": {"drain_timeout_s": 2.5},
+            "scheduling": {
+                "default_class": "online",
+                "concurrency": 1,
+                "classes": {"online": {"rank": 0, "triton_priority": 1, "queue_timeout_s": 60}},
+            },
         }
         with ProxyProcess(policy, tmp_path) as proxy:
             port = proxy.http_port
