@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 from collections.abc import Iterable
@@ -38,7 +39,7 @@ _PARSER_REFUSAL = re.compile(r"^aiohttp\.http_exceptions\.\w+: 400", re.M)
 def unhandled_errors(log: str) -> list[str]:
     """Log records of exceptions nobody handled (parser refusals excluded)."""
     starts = [m.start() for m in _LOG_RECORD.finditer(log)] + [len(log)]
-    records = [log[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    records = [log[a:b] for a, b in itertools.pairwise(starts)]
     return [
         r.strip()[:1500]
         for r in records
