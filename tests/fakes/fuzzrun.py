@@ -123,7 +123,20 @@ async def send_grpc(
         return list(await asyncio.gather(*(one(c) for c in cases)))
 
 
+# grpc.aio's *client* reports a stream that the server ended (with any status) while the
+# client's request iterator was still being written as INTERNAL "Internal error from Core",
+# about 1 time in 5 (measured against a bare grpc.aio server that aborts INVALID_ARGUMENT
+# after the first message: the synchronous client sees INVALID_ARGUMENT 100 times in 100).
+AIO_CLIENT_ARTIFACT = "Internal error from Core"
+
+
 def grpc_problem(result: GrpcResult) -> str | None:
+    if (
+        result.case.stream
+        and result.code == grpc.StatusCode.INTERNAL
+        and result.details == AIO_CLIENT_ARTIFACT
+    ):
+        return None
     if result.code in GRPC_FAILURES:
         return f"{result.code.name}: {result.details[:300]}"
     return None
