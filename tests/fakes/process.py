@@ -86,6 +86,12 @@ class ProxyProcess:
                 return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS in /proc status")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the proxy process has used (a load-independent figure)."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)

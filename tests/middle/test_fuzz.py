@@ -129,6 +129,7 @@ async def test_fuzz_bad_requests(fuzz_fakes: FakeFleet, tmp_path: Path) -> None:
         grpc_results = await send_grpc(rpcs, f"127.0.0.1:{proxy.grpc_port}")
         t2 = time.monotonic()
         rss_end = proxy.rss_bytes()
+        cpu_s = proxy.cpu_seconds()
 
         alive = proxy.alive()
         ready = (await get(proxy.http_port, "/v2/health/ready")).status
@@ -143,7 +144,10 @@ async def test_fuzz_bad_requests(fuzz_fakes: FakeFleet, tmp_path: Path) -> None:
 
     kinds = Counter(r.case.kind for r in results)
     print(f"seed {SEED}: {len(results)} HTTP cases {dict(kinds)}, {len(grpc_results)} gRPC")
-    print(f"HTTP {t1 - t0:.1f} s, gRPC {t2 - t1:.1f} s (timings vary with machine load)")
+    print(
+        f"HTTP {t1 - t0:.1f} s, gRPC {t2 - t1:.1f} s wall (varies with machine load); "
+        f"proxy CPU {cpu_s:.1f} s"
+    )
     slow = sorted(results, key=lambda r: -r.seconds)[:5]
     print("slowest:", [(r.case.kind, round(r.seconds, 2), r.case.data[:80]) for r in slow])
     print(f"proxy RSS {rss_warm >> 20} MiB after warm-up, {rss_end >> 20} MiB at the end")
