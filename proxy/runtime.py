@@ -173,6 +173,12 @@ class Runtime:
                 if load.compute_us is not None:
                     compute_us.add_metric([name, model], load.compute_us / 1e6)
         yield from (pending, queue_us, compute_us, age)
+        buffered = GaugeMetricFamily(
+            "triton_proxy_buffered_bytes",
+            "Request bodies held by the proxy (queued and in flight), of limits.max_buffered_bytes",
+        )
+        buffered.add_metric([], self.budget.in_use)
+        yield buffered
         if self.router.feedback is not None:
             weight = GaugeMetricFamily(
                 "triton_proxy_instance_feedback_weight",

@@ -17,6 +17,7 @@ import pytest
 
 from proxy.app import ProxyServer
 from proxy.config import ProxyConfig, parse
+from proxy.dispatch import says_model_absent
 from proxy.fleet.upstream import (
     UpstreamConnectError,
     UpstreamLostError,
@@ -140,11 +141,15 @@ async def test_model_missing_on_one_instance_leaves_only_that_model() -> None:
 
 async def test_model_missing_everywhere_gets_tritons_answer() -> None:
     async with fakes(2) as (f0, f1), proxy_for(policy([f0, f1])) as proxy:
-        assert (await infer(proxy))[0] == 200  # the catalog knows "m" now
+        assert (await infer(proxy))[0] == 200
+        assert await proxy.runtime.catalog.info("m") is not None  # known, as if just unloaded
         f0.models.clear()
         f1.models.clear()
-        status, body, _ = await infer(proxy)
-        assert status == 404 and "unknown model" in body["error"]
+        for _ in range(3):
+            status, body, _ = await infer(proxy)
+            assert status == 404 and "unknown model" in body["error"]
+        # The last instance serving a model keeps it: no self-made outage.
+        assert len(proxy.runtime.fleet.serving("m")) == 1
 
 
 async def test_byte_budget_refuses_with_429_and_releases_once() -> None:
@@ -155,6 +160,12 @@ async def test_byte_budget_refuses_with_429_and_releases_once() -> None:
             budget = proxy.runtime.budget
             first = [asyncio.create_task(infer(proxy, body=infer_body(900))) for _ in range(2)]
             await wait_for(lambda: budget.in_use > 1800)
+            gauge = [
+                float(line.split()[1])
+                for line in proxy.telemetry.exposition().decode().splitlines()
+                if line.startswith("triton_proxy_buffered_bytes ")
+            ]
+            assert gauge == [budget.in_use]
             status, body, headers = await infer(proxy, body=infer_body(900))
             assert status == 429 and "max_buffered_bytes" in body["error"]
             assert headers["Retry-After"] == "1"
@@ -255,3 +266,16 @@ async def test_policy_watch_survives_an_unexpected_error(tmp_path: Path) -> None
             proxy.request_reload()
             await wait_for(lambda: reloads.labels("ok")._value.get() == 1)
             assert proxy.runtime.router.policy("m")[0] == "random"
+
+
+@pytest.mark.parametrize(
+    ("message", "absent"),
+    [
+        ("Request for unknown model: 'simple' has no available versions", True),
+        ("Request for unknown model: 'simple' is not found", True),
+        ("Request for unknown model: 'simple' version 7 is not found", False),
+        ("unexpected shape for input 'INPUT0' for model 'simple'", False),
+    ],
+)
+def test_only_a_missing_model_takes_it_out_of_rotation(message: str, absent: bool) -> None:
+    assert says_model_absent(message) is absent
