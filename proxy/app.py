@@ -52,6 +52,7 @@ class ProxyServer:
         rng: random.Random | None = None,
         telemetry: Telemetry | None = None,
         gate_observer: GateObserver | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
         watch_interval_s: float = 1.0,
         policy_loader: Callable[[Path], ProxyConfig] = load_file,
     ) -> None:
@@ -62,7 +63,12 @@ class ProxyServer:
         self.telemetry = telemetry or Telemetry()
         self.gate_observer = gate_observer
         self.runtime = Runtime(
-            config, self.clock, self.rng, self.telemetry, gate_observer=gate_observer
+            config,
+            self.clock,
+            self.rng,
+            self.telemetry,
+            gate_observer=gate_observer,
+            is_leader=is_leader,
         )
         self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None

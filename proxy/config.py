@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from proxy import strict
+from proxy.control.config import ControlConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
 from proxy.routing.config import RoutingConfig, check_policies
 from proxy.scheduling.config import SchedulingConfig
@@ -116,6 +117,8 @@ class ProxyConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig | None = None
     """Priority classes; without this section every request is dispatched at once."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """The SLO feedback loops (class limits, batching window); all off by default."""
 
     def __post_init__(self) -> None:
         if not self.instances:

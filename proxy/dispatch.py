@@ -15,7 +15,7 @@ only asks for an early probe: one slow answer does not eject an instance.
 from __future__ import annotations
 
 import contextlib
-import re
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
-from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.instances import Fleet, Instance, Work
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
+from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason
+from proxy.scheduling.cost import CostModel
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -76,6 +78,18 @@ class RetryGate(Protocol):
     def try_retry(self) -> bool: ...
 
 
+class _Trace:
+    """What one request's dispatch learnt on the way, for its :class:`RequestRecord`."""
+
+    __slots__ = ("alone", "inside_s", "queue_wait_s")
+
+    def __init__(self) -> None:
+        self.queue_wait_s = 0.0
+        self.alone = False
+        self.inside_s = 0.0
+        """Time from sending to the instance to its answer."""
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -91,6 +105,8 @@ class Dispatcher:
         max_retries: int = 1,
         request_timeout_s: float | None = None,
         on_lost: Callable[[Instance], None] = lambda _: None,
+        costs: CostModel | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -104,6 +120,10 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.on_lost = on_lost
         """Called when a connection to an instance failed or broke (reset its pool)."""
+        self.costs = costs if costs is not None else CostModel()
+        """Per-model request costs and service-time curves, learned from this traffic."""
+        self.observer = observer
+        """Told once about every finished request (telemetry and controllers subscribe)."""
 
     def reconfigure(
         self,
@@ -140,15 +160,23 @@ class Dispatcher:
         model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
+        trace = _Trace()
         try:
             info = await self.catalog.info(call.model)
             if info is None:
-                raise ProxyError(
-                    Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
-                )
-            model_label = call.model
+                if admit:
+                    raise ProxyError(
+                        Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
+                    )
+                # A stream whose first message names an unknown model: Triton answers that
+                # message in the stream, as it would without the proxy; placement keys its
+                # state by "other", never by the invented name.
+                call = dataclasses.replace(call, model=OTHER_MODEL)
+            else:
+                model_label = call.model
+                self.costs.observe_cost(call.model, call.cost)
             seq = call.params.sequence_id
-            if seq is not None:
+            if seq is not None and info is not None:
                 problem = info.sequence_id_problem(seq)
                 if problem is not None:
                     raise ProxyError(
@@ -156,12 +184,18 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None or not admit:
-                # Without classes, or a gRPC stream (its messages pass the gate one by one).
-                instance, result = await self._send(call, None, send, stream)
+            batch = info.max_batch_size if info is not None else 1
+            if self.admission is None or not admit or info is None:
+                placing = self._placing(call, klass, None, batch)
+                instance, result = await self._send(call, None, send, stream, placing, trace)
             else:
+                queued_at = time.perf_counter()
                 async with self.admission.admit(call.model, info, klass) as priority:
-                    instance, result = await self._send(call, priority, send, stream)
+                    trace.queue_wait_s = time.perf_counter() - queued_at
+                    placing = self._placing(call, klass, priority, batch)
+                    instance, result = await self._send(
+                        call, priority, send, stream, placing, trace
+                    )
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -172,19 +206,74 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
-            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
+            if self.observer is not None:
+                self.observer.on_request(
+                    RequestRecord(
+                        model=model_label,
+                        class_name=klass,
+                        instance=instance_name,
+                        outcome=result_label,
+                        latency_s=time.perf_counter() - began,
+                        queue_wait_s=trace.queue_wait_s,
+                        cost=call.cost,
+                        ran_alone=trace.alone,
+                        at=self.fleet.clock.now(),
+                    )
+                )
+
+    def _placing(
+        self, call: Call, klass: str, priority: int | None, batch: int
+    ) -> tuple[RouteRequest, Work]:
+        """What placement needs to know about the request, and how to count it in flight."""
+        cap = None
+        if self.admission is not None:
+            cls = self.admission.config.classes.get(klass)
+            cap = cls.max_per_instance if cls is not None else None
+        long = cap is not None or self.costs.is_long(call.model, call.cost)
+        level = priority or 0
+        request = RouteRequest(
+            model=call.model,
+            session_key=call.session_key,
+            cost=call.cost,
+            class_name=klass,
+            level=level if priority is not None else None,
+            long=long,
+            class_cap=cap,
+            batch=max(1, batch),
+        )
+        return request, Work(class_name=klass, level=level, long=long)
 
     async def _send(
-        self, call: Call, priority: int | None, send: Send[T], stream: bool
+        self,
+        call: Call,
+        priority: int | None,
+        send: Send[T],
+        stream: bool,
+        placing: tuple[RouteRequest, Work],
+        trace: _Trace,
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
+        request, work = placing
         while True:
-            instance = self._place(call, frozenset(tried))
+            instance = self._place(call, request, frozenset(tried))
             try:
-                with self.fleet.track(instance, call.model, stream=stream):
+                # Ran alone: no other request of the model on the instance when it was sent
+                # nor when it finished, so its time is one batch of itself (the cost model).
+                alone = not instance.model_in_flight.get(call.model)
+                sent_at = time.perf_counter()
+                with self.fleet.track(instance, call.model, stream=stream, work=work):
                     result = await send(instance, priority)
+                    trace.alone = alone and instance.model_in_flight.get(call.model) == 1
+                    in_flight = instance.model_in_flight.get(call.model, 0)
+                trace.inside_s = time.perf_counter() - sent_at
+                if not stream:
+                    if trace.alone:
+                        self.costs.observe_alone(call.model, call.cost, trace.inside_s)
+                    if self.admission is not None:
+                        self.admission.observe_inside(
+                            instance.name, call.model, work.class_name, trace.inside_s, in_flight
+                        )
             except UpstreamConnectError as exc:
                 self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)
                 if self._continues_sequence(call):
@@ -305,7 +394,7 @@ class Dispatcher:
         info = await self.catalog.info(call.model)
         return info is not None and not info.decoupled
 
-    def _place(self, call: Call, exclude: frozenset[str]) -> Instance:
+    def _place(self, call: Call, request: RouteRequest, exclude: frozenset[str]) -> Instance:
         seq = call.params.sequence_id
         if seq is not None and not call.params.sequence_start:
             name = self.affinity.lookup(call.model, seq)
@@ -324,7 +413,6 @@ class Dispatcher:
                     f"by triton-proxy: the Triton instance holding the sequence {why}; its "
                     "state is gone, start the sequence again (sequence_start)",
                 )
-        request = RouteRequest(model=call.model, session_key=call.session_key, cost=call.cost)
         picked = self.placement.pick(request, exclude)
         if picked is None:
             down = ", ".join(
@@ -361,6 +449,7 @@ def _shed_error(model: str, shed: Shed) -> ProxyError:
         ShedReason.QUEUE_FULL: "its class queue is full",
         ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
         ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
+        ShedReason.LATE: "it would be answered after its class's slo_p99_ms",
     }.get(shed.reason, shed.reason.value)
     return ProxyError(
         Code.RESOURCE_EXHAUSTED,

@@ -119,6 +119,10 @@ class Instance:
     def serves(self, model: str) -> bool:
         return self.healthy and model not in self.models_out
 
+    draining: set[str] = field(default_factory=set)
+    """Models whose new requests placement keeps off this instance (a drained reload is under
+    way); requests already in flight finish here."""
+
     @property
     def name(self) -> str:
         return self.spec.name

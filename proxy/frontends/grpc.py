@@ -24,11 +24,11 @@ from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
@@ -37,6 +37,7 @@ from proxy.frontends.kserve_grpc import read_infer, with_parameter
 from proxy.frontends.routes import check_model_name
 from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import grpc_cost
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,11 @@ class GrpcFrontend:
         check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
-            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+            model=model,
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+            cost=grpc_cost(request),
         )
 
     async def _unary(
@@ -336,28 +341,23 @@ class GrpcFrontend:
             self._check_admin(context)
             rt = self._rt()
             forward = forward_metadata(_metadata(context), rt.private_headers)
-            answers: list[tuple[str, bytes]] = []
-            failed: list[tuple[str, grpc.StatusCode, str]] = []
-            for instance in rt.fleet.all():
+
+            async def one(instance: Instance) -> bytes:
                 try:
-                    answer = await self._unary(rt, instance, method, request, forward, context)
-                    answers.append((instance.name, answer))
+                    return await self._unary(rt, instance, method, request, forward, context)
                 except grpc.aio.AioRpcError as exc:
-                    failed.append((instance.name, exc.code(), exc.details() or ""))
-                except (
-                    UpstreamConnectError,
-                    UpstreamLostError,
-                    UpstreamTimeoutError,
-                    ProxyError,
-                ) as exc:
-                    failed.append(
-                        (instance.name, grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}")
-                    )
-            if not failed:
-                return answers[0][1]
-            name, code, details = failed[0]
-            total = len(answers) + len(failed)
-            await _abort(context, code, admin_failure_message(details, name, len(failed), total))
+                    raise InstanceFailure(exc.code(), exc.details() or "") from exc
+                except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
+                    raise InstanceFailure(
+                        grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
+                    ) from exc
+
+            fan = await to_every_instance(rt.fleet.all(), one)
+            failed = fan.failure()
+            if failed is None:
+                return fan.answers[0][1]
+            first, message = failed
+            await _abort(context, first.code, message)
 
         return handler
 

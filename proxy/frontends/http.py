@@ -22,19 +22,26 @@ from proxy.budget import Hold
 from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
 from proxy.fleet.upstream import http_failure
 from proxy.frontends import routes
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
-from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameter
+from proxy.frontends.kserve_http import (
+    HEADER_LENGTH,
+    decode_content,
+    json_header,
+    read_params,
+    with_parameter,
+)
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
 from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import http_cost
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +112,7 @@ class HttpFrontend:
             return web.Response(status=200)
         if kind is Kind.READY:
             # Triton answers 400 (with an empty body) when not ready.
-            return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+            return web.Response(status=200 if self._rt().ready() else 400)
         if kind in INFERENCE_KINDS:
             return await self._dispatch(request, route)
         if kind is Kind.READ:
@@ -147,14 +154,6 @@ class HttpFrontend:
             if hold is not None:
                 hold.release()
 
-    # --- health ---------------------------------------------------------------------------
-    async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def ready(self, request: web.Request) -> web.Response:
-        # Triton answers 400 (with an empty body) when not ready.
-        return web.Response(status=200 if self._rt().ready() else 400)
-
     # --- inference ------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body, held against the byte budget until the request ends."""
@@ -191,6 +190,7 @@ class HttpFrontend:
             headers=call_headers,
             params=read_params(body, header_length),
             session_key=rt.session_key(call_headers),
+            cost=http_cost(json_header(body, header_length)) if infer else 1.0,
         )
         stream = route.kind is Kind.GENERATE_STREAM
 
@@ -220,7 +220,8 @@ class HttpFrontend:
         stream: bool = False,
         dispatched: bool = False,
     ) -> web.StreamResponse:
-        """Send one request to ``instance`` and relay its answer to the client.
+        """Send one request for ``path`` (built by the route table) to ``instance`` and relay
+        its answer to the client.
 
         ``dispatched``: an inference request, whose "unknown model" answer from this one
         instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
@@ -301,19 +302,27 @@ class HttpFrontend:
         rt = self._rt()
         body = await self._read_body(request)
         headers = _forward_headers(request.headers, rt.private_headers)
-        answers: list[tuple[str, int, bytes]] = []
-        for instance in rt.fleet.all():
+
+        async def one(instance: Instance) -> tuple[int, bytes]:
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
                     request.method, route.upstream_path, data=body or None, headers=headers
                 ) as resp:
-                    answers.append((instance.name, resp.status, await resp.read()))
+                    status, data = resp.status, await resp.read()
             except aiohttp.ClientError as exc:
-                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}")))
-        failed = [a for a in answers if a[1] >= 400]
-        name, status, data = failed[0] if failed else answers[0]
-        if failed and len(answers) > 1:
-            message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
-            data = error_body(admin_failure_message(message, name, len(failed), len(answers)))
+                raise InstanceFailure(503, f"{instance.name}: {exc}") from exc
+            if status >= 400:
+                message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
+                raise InstanceFailure(status, message, raw=data)
+            return status, data
+
+        fan = await to_every_instance(rt.fleet.all(), one)
+        failed = fan.failure()
+        if failed is None:
+            status, data = fan.answers[0][1]
+        else:
+            first, message = failed
+            status = first.code
+            data = first.raw if fan.total == 1 and first.raw is not None else error_body(message)
         return web.Response(status=status, body=data, content_type="application/json")

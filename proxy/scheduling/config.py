@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from proxy import strict
+from proxy.control.concurrency import AdaptiveConcurrencyConfig
 from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
@@ -107,15 +108,20 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
-    def share_limit(self, capacity: int, instances: int = 1) -> int:
+    def share_limit(self, capacity: int, instances: int = 1, scale: float = 1.0) -> int:
         """Most slots this class may hold out of ``capacity`` over ``instances`` healthy
         instances (max_share, max_concurrency and max_per_instance).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
+        ``scale`` (the class-limit loop's factor, <= 1) multiplies ``max_share`` but never takes
+        the limit below the class's ``min_share`` reservation.
         """
         limit = capacity
-        if self.max_share < 1.0:
-            limit = max(1, math.floor(self.max_share * capacity + 1e-9))
+        share = self.max_share * scale
+        if share < 1.0:
+            limit = max(1, math.floor(share * capacity + 1e-9))
+            if scale < 1.0:
+                limit = max(limit, math.floor(self.min_share * capacity + 1e-9))
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
         if self.max_per_instance is not None:
@@ -223,7 +229,17 @@ class SchedulingConfig:
     api_key_header: str = "authorization"
     """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
     concurrency: int | None = None
-    """Dispatch slots per Triton instance; null = :func:`derive_concurrency` from the model."""
+    """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
+    or :func:`derive_concurrency` from the model when that is disabled."""
+    shed_late: bool = True
+    """Deadline admission: shed at once a request of a class with ``slo_p99_ms`` that is
+    predicted to be answered after it, instead of serving it late
+    (:mod:`proxy.scheduling.lateness`)."""
+    adaptive_concurrency: AdaptiveConcurrencyConfig = field(
+        default_factory=AdaptiveConcurrencyConfig
+    )
+    """Slots per (instance, model) learned from the top class's time inside Triton
+    (:mod:`proxy.control.concurrency`); used when ``concurrency`` is null."""
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -280,6 +296,13 @@ class SchedulingConfig:
             return None
         cls = self.classes.get(class_name) or self.classes[self.default_class]
         return min(cls.triton_priority, priority_levels)
+
+    def top_class(self) -> str:
+        """The most important class (lowest rank; the first such in the file)."""
+        return min(self.classes, key=lambda name: self.classes[name].rank)
+
+    def adaptive(self) -> bool:
+        return self.concurrency is None and self.adaptive_concurrency.enabled
 
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
         """Dispatch slots for one Triton instance: ``concurrency``, else derived from the model."""

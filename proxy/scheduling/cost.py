@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from proxy.frontends.kserve_grpc import nested_fields
+from proxy.frontends.kserve_grpc import nested_fields, packed_varints
 
 _SHAPE = re.compile(rb'"shape"\s*:\s*\[([0-9,\s]*)\]')
 _INPUTS = 5  # ModelInferRequest.inputs
@@ -62,33 +62,13 @@ def grpc_cost(request: bytes) -> float:
     """Cost from a serialized ``ModelInferRequest``'s input shapes (1 when unreadable)."""
     try:
         shapes = [
-            [d for d in _packed_ints(value)]
+            packed_varints(value)
             for tensor in nested_fields(request, _INPUTS)
             for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
         ]
     except (ValueError, IndexError):
         return 1.0
     return _combine(shapes)
-
-
-def _packed_ints(data: bytes) -> list[int]:
-    out = []
-    pos = 0
-    while pos < len(data):
-        value = shift = 0
-        while True:
-            byte = data[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
-            if shift > 63:
-                raise ValueError("varint too long")
-        if value >= 1 << 63:
-            value -= 1 << 64
-        out.append(value)
-    return out
 
 
 @dataclass(frozen=True)
