@@ -140,8 +140,32 @@ def test_offline_class_priority_on_every_http_body_form(
             except AssertionError as exc:
                 failures.append(f"{name}: {exc}")
     assert not failures, "class priority escaped:\n" + "\n".join(failures)
-    # Plain JSON must be served, not refused.
-    assert outcomes["json"] == outcomes["identity encoding"] == "ok", outcomes
+    # Well-formed bodies in the encodings Triton accepts must be served, not refused.
+    served = ("json", "identity encoding", "gzip", "deflate", "version path")
+    refused = {name: outcomes[name] for name in served if outcomes[name] != "ok"}
+    assert not refused, f"well-formed requests refused: {refused}"
+
+
+def test_compressed_requests_from_tritonclient_are_served(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    """tritonclient's own request compression (gzip and deflate), through the proxy."""
+    import tritonclient.http as httpclient
+
+    from tests.middle.conftest import http_inputs
+
+    with proxy_on(CLASSES) as proxy, httpclient.InferenceServerClient(proxy.http) as c:
+        for algorithm in ("gzip", "deflate"):
+            for binary in (True, False):
+                result = c.infer(
+                    "simple",
+                    http_inputs(binary=binary),
+                    headers={"Authorization": f"Bearer {OFFLINE}"},
+                    request_compression_algorithm=algorithm,
+                )
+                assert result.as_numpy("OUTPUT0") is not None
+    seen = [(r.parameters or {}).get("priority") for r in fakes.inferences()]
+    assert seen == [3, 3, 3, 3], seen
 
 
 def binary_body(parameters: dict[str, Any]) -> tuple[bytes, int]:
