@@ -306,7 +306,10 @@ def test_sigterm_under_load_drains_in_flight_and_answers_queued(
                 for f in futures:
                     f.result(timeout=90)
         log = proxy.log()
-    before = [o for o in outcomes if o.started < signalled]
+    # Sent at least 1 s before the signal: accepted by the proxy by then (a connection still
+    # in the listen backlog when the listener closes is reset by the kernel, whatever the
+    # proxy does).
+    before = [o for o in outcomes if o.started < signalled - 1.0]
     bad = [o for o in before if not o.ok and not (o.status == "503" and o.error)]
     assert code == 0, f"exit status {code}:\n{log[-2000:]}"
     assert not bad, f"requests sent before SIGTERM that neither finished nor got 503: {bad[:5]}"
