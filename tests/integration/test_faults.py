@@ -136,6 +136,18 @@ def decisions_for(proxy: ProxyThread, name: str) -> int:
     )
 
 
+def ok_answers(proxy: ProxyThread, name: str) -> float:
+    """Requests the instance answered 200 (HTTP) or OK (gRPC), from the proxy's counter."""
+    return sum(
+        s.value
+        for metric in proxy.proxy.telemetry.requests.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+        and s.labels["instance"] == name
+        and s.labels["outcome"] in ("200", "ok")
+    )
+
+
 def test_sigkill_one_of_three_under_load(triton_fleet: Any) -> None:
     name = triton_fleet.server(VICTIM).name
     doc = {"health": {"interval_s": 0.2, "backoff_initial_s": 0.2, "backoff_max_s": 1.0}}
@@ -207,11 +219,18 @@ def test_sigstop_one_of_three_under_load(triton_fleet: Any) -> None:
             _signal_group(victim.pid, signal.SIGCONT)
             stopped = False
             wait_for(lambda: fleet.get(victim.name).healthy, 30, "instance rejoined after SIGCONT")
-            before = decisions_for(proxy, victim.name)
+            # Serving again: requests it answers (200) through the proxy. A resumed server may
+            # still be working off its backlog, so its first requests may time out (504).
+            before = ok_answers(proxy, victim.name)
+            resumed: list[str] = []
             with httpclient.InferenceServerClient(proxy.http, network_timeout=30) as c:
-                for _ in range(30):
-                    c.infer("simple", _inputs(httpclient))
-            served_after = decisions_for(proxy, victim.name) - before
+                deadline = time.monotonic() + 30
+                while ok_answers(proxy, victim.name) - before < 5 and time.monotonic() < deadline:
+                    try:
+                        c.infer("simple", _inputs(httpclient))
+                    except InferenceServerException as exc:
+                        resumed.append(str(exc))
+            served_after = ok_answers(proxy, victim.name) - before
     finally:
         if stopped:
             _signal_group(victim.pid, signal.SIGCONT)
@@ -234,12 +253,14 @@ def test_sigstop_one_of_three_under_load(triton_fleet: Any) -> None:
     slow = [o for o in failures if o.ended - o.started > timeout_s + 8]
     assert not slow, f"timed out later than request_timeout_s={timeout_s}: {slow[:3]}"
     assert not [o for o in outcomes if o.started < stopped_at and not o.ok and o.ended < stopped_at]
-    assert served_after >= 5, f"the resumed instance got {served_after} of 30 round-robin requests"
+    assert served_after >= 5, f"the resumed instance served {served_after} requests in 30 s"
+    print(f"after SIGCONT: {len(resumed)} errors before it served again: {resumed[:2]}")
 
 
 def _ids(n: int) -> list[httpclient.InferInput]:
     i = httpclient.InferInput("INPUT_IDS", [1, n], "INT64")
-    i.set_data_from_numpy(np.arange(1, n + 1, dtype=np.int64).reshape(1, n), binary_data=True)
+    ids = (np.arange(n, dtype=np.int64) % 999 + 1).reshape(1, n)  # accel_sim's VOCAB is 1000
+    i.set_data_from_numpy(ids, binary_data=True)
     return [i]
 
 
@@ -297,7 +318,12 @@ def test_sigterm_under_load_drains_in_flight_and_answers_queued(
         with ThreadPoolExecutor(24) as pool:
             futures = [pool.submit(client) for _ in range(24)]
             try:
-                wait_for(lambda: sum(o.ok for o in outcomes) >= 30, 90, "traffic before SIGTERM")
+                try:
+                    wait_for(
+                        lambda: sum(o.ok for o in outcomes) >= 30, 90, "traffic before SIGTERM"
+                    )
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; outcomes: {outcomes[:3]}") from None
                 proxy.signal(signal.SIGTERM)
                 signalled = time.monotonic()
                 code = proxy.wait(30)
