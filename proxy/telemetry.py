@@ -208,6 +208,7 @@ class _FleetCollector(Collector):
         yield model_in_flight
         yield buffered
         yield from _scraped(rt)
+        yield _buffered(rt)
         yield from _feedback(rt)
         yield from _classes(rt)
         yield from _control(rt)
@@ -244,6 +245,15 @@ def _scraped(rt: Runtime) -> Iterator[Metric]:
             if load.compute_us is not None:
                 compute_us.add_metric([name, model], load.compute_us / 1e6)
     yield from (pending, queue_us, compute_us, age)
+
+
+def _buffered(rt: Runtime) -> Metric:
+    buffered = GaugeMetricFamily(
+        "triton_proxy_buffered_bytes",
+        "Request bodies held by the proxy (queued and in flight), of limits.max_buffered_bytes",
+    )
+    buffered.add_metric([], rt.budget.in_use)
+    return buffered
 
 
 def _feedback(rt: Runtime) -> Iterator[Metric]:
