@@ -148,12 +148,15 @@ class HttpFrontend:
                 )
             )
         except web.HTTPException as exc:
-            # aiohttp's own refusals (a target its router cannot even match, such as '*'),
-            # in Triton's error format.
+            # aiohttp's own refusals, in Triton's error format. Its router answers 404 only for
+            # a target the catch-all route cannot match, i.e. one not in origin form
+            # (``CONNECT host:port``, ``OPTIONS *``): the same refusal as any other such target.
             if exc.status < 400:
                 raise
-            code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status)
-            return error_response(ProxyError(code or Code.INVALID_ARG, exc.reason))
+            if exc.status == 404:
+                return error_response(routes.not_origin_form())
+            code = {405: Code.METHOD_NOT_ALLOWED}.get(exc.status, Code.INVALID_ARG)
+            return error_response(ProxyError(code, exc.reason))
         finally:
             hold = request.get(_BODY_HOLD)
             if hold is not None:

@@ -84,15 +84,19 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def not_origin_form() -> ProxyError:
+    return bad_request(
+        "request target must be an absolute path such as /v2/models/NAME/infer "
+        "(absolute-form and authority-form targets are not accepted)"
+    )
+
+
 def segments(raw_target: str) -> list[str]:
     """The decoded segments of an origin-form path, or :class:`ProxyError` (400)."""
     path, _, _ = raw_target.partition("?")
     path = path.partition("#")[0]
     if not path.startswith("/") or path.startswith("//"):
-        raise bad_request(
-            "request target must be an absolute path such as /v2/models/NAME/infer "
-            "(absolute-form and authority-form targets are not accepted)"
-        )
+        raise not_origin_form()
     if _ENCODED_FORBIDDEN.search(path) or _PERCENT.search(path):
         raise bad_request(
             "request path contains an encoded '/', '\\', '.' or NUL, or a malformed "
