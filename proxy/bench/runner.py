@@ -72,7 +72,10 @@ _NP_TYPES = {"INT64": np.int64, "INT32": np.int32}
 
 
 class RequestEncoder:
-    """Builds KServe v2 infer bodies and headers; bodies are cached per (tokens, priority)."""
+    """Builds KServe v2 infer bodies and headers; cached per (tokens, rows, priority).
+
+    The input's shape is ``[rows, tokens]``: ``rows`` rows of the batch dimension.
+    """
 
     def __init__(self, model: ModelSpec, classes: Mapping[str, ClassSpec], priority: bool) -> None:
         self.model = model
@@ -80,23 +83,23 @@ class RequestEncoder:
         self.priority = priority
         version = f"/versions/{model.version}" if model.version else ""
         self.path = f"/v2/models/{model.name}{version}/infer"
-        self._bodies: dict[tuple[int, int], tuple[bytes, dict[str, str]]] = {}
+        self._bodies: dict[tuple[int, int, int], tuple[bytes, dict[str, str]]] = {}
 
-    def _body(self, tokens: int, priority: int) -> tuple[bytes, dict[str, str]]:
-        key = (tokens, priority)
+    def _body(self, tokens: int, priority: int, rows: int = 1) -> tuple[bytes, dict[str, str]]:
+        key = (tokens, rows, priority)
         cached = self._bodies.get(key)
         if cached is not None:
             return cached
         m = self.model
         names = (m.input, *m.extra_inputs)
         tensors: list[dict[str, object]] = [
-            {"name": name, "shape": [1, tokens], "datatype": m.datatype} for name in names
+            {"name": name, "shape": [rows, tokens], "datatype": m.datatype} for name in names
         ]
         params: dict[str, object] = {}
         if priority:
             params["priority"] = priority
         if m.encoding == "binary":
-            data = np.ones(tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
+            data = np.ones(rows * tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
             for tensor in tensors:
                 tensor["parameters"] = {"binary_data_size": len(data)}
             params["binary_data_output"] = True
@@ -110,7 +113,7 @@ class RequestEncoder:
             )
         else:
             for tensor in tensors:
-                tensor["data"] = [1] * tokens
+                tensor["data"] = [1] * (rows * tokens)
             doc: dict[str, object] = {"inputs": tensors}
             if params:
                 doc["parameters"] = params
@@ -120,7 +123,9 @@ class RequestEncoder:
 
     def encode(self, arrival: Arrival) -> tuple[bytes, dict[str, str]]:
         spec = self.classes[arrival.cls]
-        body, base = self._body(arrival.tokens, spec.triton_priority if self.priority else 0)
+        body, base = self._body(
+            arrival.tokens, spec.triton_priority if self.priority else 0, arrival.rows
+        )
         headers = dict(base)
         if spec.api_key:
             headers["Authorization"] = f"Bearer {spec.api_key}"
@@ -204,6 +209,14 @@ class HttpTarget:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def shed_reason(error: str | None) -> str:
+    """The reason in the proxy's shed message (``"... shed: late"`` -> ``late``)."""
+    if not error:
+        return "unknown"
+    _, sep, reason = error.rpartition("shed: ")
+    return (reason.strip() or "unknown") if sep else "other"
 
 
 def _error_text(payload: bytes) -> str:
@@ -358,6 +371,8 @@ class RunRecords:
     """Index into ``instances``, -1 when the client could not tell."""
     instances: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    sheds: Counter[str] = field(default_factory=Counter)
+    """``"<class> <reason>"`` -> requests shed (429), the reason read from the proxy's answer."""
     load_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     """(seconds since t0, instance -> probed load)."""
 
@@ -425,6 +440,7 @@ async def run_schedule(
             counts.ok += 1
         elif result.outcome == Outcome.SHED:
             counts.shed += 1
+            rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
         else:
             counts.error += 1
             rec.errors[f"{result.status} {result.error}"] += 1
