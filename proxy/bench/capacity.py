@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from proxy.bench.scenario import Scenario, _draw_sizes
 
@@ -91,7 +92,9 @@ def fifo_capacity(
         sel = which == k
         tokens[sel], rows[sel] = _draw_sizes(scenario.classes[name].sizes, int(sel.sum()), gen)
     if rows.max() > max_batch_size:
-        raise ValueError(f"a request of {rows.max()} rows does not fit max_batch_size {max_batch_size}")
+        raise ValueError(
+            f"a request of {rows.max()} rows does not fit max_batch_size {max_batch_size}"
+        )
     batches = fifo_batches(rows, tokens, max_batch_size)
     n_batches = len(batches)
     batch_rows = np.array([r for r, _ in batches], dtype=float)
@@ -112,7 +115,7 @@ def fifo_capacity(
 
 
 def fifo_batches(
-    rows: np.ndarray, tokens: np.ndarray, max_batch_size: int
+    rows: NDArray[np.int64], tokens: NDArray[np.int64], max_batch_size: int
 ) -> list[tuple[int, int]]:
     """``(rows, longest tokens)`` of each batch formed in order, closed when the next request
     would pass ``max_batch_size`` rows."""

@@ -103,6 +103,21 @@ def render_table(report: Report) -> str:
         if errors:
             top = sorted(errors.items(), key=lambda kv: -kv[1])[:2]
             notes.append("errors: " + "; ".join(f"{n}x {k}" for k, n in top))
+        sheds: dict[str, int] = {}
+        for a in ok:
+            for k, n in a.sheds.items():
+                sheds[k] = sheds.get(k, 0) + n
+        if sheds:
+            notes.append("shed: " + ", ".join(f"{k} {n}" for k, n in sorted(sheds.items())))
+        for cls in sc.class_names:
+            if sc.classes[cls].slo_p99_ms is None:
+                mins = [m for a in ok if (m := a.min_window(cls)) is not None]
+                if mins:
+                    width = min(ok[0].window_s, sc.duration_s)
+                    notes.append(f"{cls} done per {width:g}s window min {min(mins)}")
+        rss = [a.proxy_rss_mib["max"] for a in ok if a.proxy_rss_mib]
+        if rss:
+            notes.append(f"proxy RSS max {max(rss):.0f} MiB")
         lines.append(
             f"{arm:<{w}} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
             f"{_ms(lag):>11}  {' | '.join(notes)}"

@@ -220,6 +220,7 @@ def window_counts(
     n = max(n, 1)
     edges = start + width * np.arange(n + 1)
     done = finished[~np.isnan(finished)]
+    done = done[done < edges[-1]]  # half-open windows (histogram closes the last one)
     counts, _ = np.histogram(done, bins=edges)
     return [int(x) for x in counts]
 

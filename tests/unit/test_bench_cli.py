@@ -60,7 +60,7 @@ def scenario(**classes: ClassSpec) -> Scenario:
 def test_bench_is_a_subcommand_with_defaults():
     args = build_parser().parse_args(["bench"])
     assert args.func is bench_cli.cmd_bench
-    assert Path(args.scenario) == MIXED
+    assert [Path(p) for p in args.scenario] == [MIXED]
     assert args.instances == 3
     assert args.arms == "default"
     assert args.scale == [1.0]
@@ -95,6 +95,7 @@ def test_bench_arguments_parse():
             "inprocess",
         ]
     )
+    assert args.scenario == ["benchmarks/smoke.yaml"]
     assert args.instances == 2 and args.repetitions == 5 and args.duration == 12.5
     assert args.scale == [0.5, 1.0, 1.5]
     assert args.out == "bench-results/x" and args.overhead
