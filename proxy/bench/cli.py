@@ -94,6 +94,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="comma list of arms and presets (" + ", ".join(PRESETS) + "); see --list-arms",
     )
     b.add_argument("--list-arms", action="store_true", help="print the arms and presets, exit")
+    b.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each scenario's FIFO capacity and the run's estimated time, start nothing",
+    )
     b.add_argument("--repetitions", type=int, default=None, help="override the scenario's")
     b.add_argument(
         "--duration", type=float, default=None, help="measured seconds per run (override)"
@@ -320,6 +325,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"about {total / 60:.0f} min in all; results in {out}",
             flush=True,
         )
+    if args.dry_run:
+        return 0
     with sigterm_raises_exit():
         for path, sc, cap in zip(args.scenario, scenarios, capacities, strict=True):
             _bench_scenario(args, path, sc, cap, plans, rates, out)
