@@ -491,9 +491,12 @@ def test_publish_strips_histograms_and_work(tmp_path):
     (src / "report.txt").write_text("table")
     (src / "run.json").write_text('{"command": "x"}')
     (src / "other.bin").write_bytes(b"\0")
+    (src / "case" / "work" / "logs").mkdir(parents=True)  # several scenarios: OUT/<stem>/work
+    (src / "case" / "work" / "logs" / "t.txt").write_text("log")
+    (src / "case" / "sweep.txt").write_text("sweep")
     files = publish(src, tmp_path / "docs")
     rel = sorted(str(f.relative_to(tmp_path / "docs")) for f in files)
-    assert rel == ["report.txt", "run.json", "scale-1.5/report.json"]
+    assert rel == ["case/sweep.txt", "report.txt", "run.json", "scale-1.5/report.json"]
     doc = json.loads((tmp_path / "docs" / "scale-1.5" / "report.json").read_text())
     assert doc["published"] == DROPPED and "latency_us" not in json.dumps(doc)
     assert json.loads((tmp_path / "docs" / "run.json").read_text()) == {"command": "x"}
