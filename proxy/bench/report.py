@@ -64,7 +64,11 @@ def render_table(report: Report) -> str:
     for cls in sc.class_names:
         spec = sc.classes[cls]
         slo = f"SLO P99 {spec.slo_p99_ms:g} ms" if spec.slo_p99_ms is not None else "no SLO"
-        lines += ["", f"class {cls}: {spec.rate_rps:g} req/s, {slo}", head, "-" * len(head)]
+        rate = f"{spec.rate_rps:g} req/s"
+        if spec.bursts:
+            mean = spec.mean_rate_rps(sc.duration_s)
+            rate += f" + {spec.burst_requests(sc.duration_s)} in bursts ({mean:.1f} req/s mean)"
+        lines += ["", f"class {cls}: {rate}, {slo}", head, "-" * len(head)]
         for arm in report.arms:
             c = report.merged(arm, cls)
             if c is None:

@@ -271,6 +271,8 @@ class PrometheusGaugeProbe:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:
             async with self._session.get(url) as resp:
+                if resp.status != 200:
+                    return {}  # not a metrics endpoint (yet): no sample, like no answer
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError, OSError):
             return {}
