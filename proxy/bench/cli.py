@@ -189,11 +189,6 @@ def baseline_name(plans: Sequence[ArmPlan]) -> str:
     return "round_robin" if "round_robin" in names else names[0]
 
 
-def estimate_seconds(scenario: Scenario, arms: int, scales: int, per_arm_s: float = 6.0) -> float:
-    """Rough wall time of the comparison (start, settle and drain cost ``per_arm_s``)."""
-    return scales * scenario.repetitions * arms * (scenario.horizon_s + per_arm_s)
-
-
 FLEET_START_S = 30.0
 """Starting (and stopping) the local Triton fleet for one scenario, roughly."""
 

@@ -136,9 +136,8 @@ def test_scenario_overrides_and_helpers():
     assert bench_cli.scale_dir(out, 1.5, [1.0, 1.5]) == out / "scale-1.5"
     assert bench_cli.models_needed(sc, overhead=False) == ["accel_sim"]
     assert bench_cli.models_needed(sc, overhead=True) == ["accel_sim", "simple"]
-    assert bench_cli.estimate_seconds(sc, arms=2, scales=3, per_arm_s=3.0) == pytest.approx(
-        3 * 2 * 2 * (sc.horizon_s + 3.0)
-    )
+    estimate = bench_cli.estimate_sweep_seconds(sc, arms=2, scales=[1, 1, 1], per_arm_s=3.0)
+    assert estimate == pytest.approx(bench_cli.FLEET_START_S + 3 * 2 * 2 * (sc.horizon_s + 3.0))
 
 
 def test_device_note_names_the_emulated_device():
