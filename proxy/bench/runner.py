@@ -198,8 +198,9 @@ class HttpTarget:
                     instance = resp.headers.get(self.spec.instance_header)
                 if resp.status == 200:
                     return SendResult(Outcome.OK, 200, instance)
-                outcome = Outcome.SHED if resp.status == 429 else Outcome.ERROR
-                return SendResult(outcome, resp.status, instance, _error_text(payload))
+                if resp.status == 429:  # the whole message: its reason is near the end
+                    return SendResult(Outcome.SHED, 429, instance, _error_text(payload, 400))
+                return SendResult(Outcome.ERROR, resp.status, instance, _error_text(payload))
         except TimeoutError:
             return SendResult(Outcome.ERROR, 0, known, "client timeout")
         except (aiohttp.ClientError, OSError) as exc:
@@ -211,22 +212,39 @@ class HttpTarget:
             self._session = None
 
 
+SHED_PHRASES = {
+    "slo_p99_ms": "late",
+    "queue is full": "queue_full",
+    "overloaded": "overload",
+    "queue_timeout_s": "timeout",
+}
+"""A phrase of the proxy's shed message (``proxy/dispatch.py``) -> the shed reason."""
+
+
 def shed_reason(error: str | None) -> str:
-    """The reason in the proxy's shed message (``"... shed: late"`` -> ``late``)."""
+    """The reason of a 429 from the proxy's message: ``"... was shed: it would be answered
+    after its class's slo_p99_ms; retry after 1 s"`` -> ``late``; an unknown wording gives
+    its own text up to the ``;``."""
     if not error:
         return "unknown"
-    _, sep, reason = error.rpartition("shed: ")
-    return (reason.strip() or "unknown") if sep else "other"
+    _, sep, why = error.rpartition("shed: ")
+    if not sep:
+        return "other"
+    why = why.split(";", 1)[0].strip()
+    for phrase, reason in SHED_PHRASES.items():
+        if phrase in why:
+            return reason
+    return why or "unknown"
 
 
-def _error_text(payload: bytes) -> str:
+def _error_text(payload: bytes, limit: int = 80) -> str:
     try:
         doc = json.loads(payload)
     except ValueError:
-        return payload[:80].decode(errors="replace")
+        return payload[:limit].decode(errors="replace")
     if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-        return str(doc["error"])[:80]
-    return payload[:80].decode(errors="replace")
+        return str(doc["error"])[:limit]
+    return payload[:limit].decode(errors="replace")
 
 
 # -- per-instance load probes --------------------------------------------------------------

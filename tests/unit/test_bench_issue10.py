@@ -255,8 +255,16 @@ def test_rss_parsing(tmp_path):
 
 
 def test_shed_reason():
-    assert shed_reason("request of class 'realtime' shed: late") == "late"
-    assert shed_reason("request of class 'x' shed: queue_full") == "queue_full"
+    def msg(why: str) -> str:
+        return f"request for model 'accel_sim' of class 'realtime' was shed: {why}; retry after 1 s"
+
+    assert shed_reason(msg("it would be answered after its class's slo_p99_ms")) == "late"
+    assert shed_reason(msg("its class queue is full")) == "queue_full"
+    assert shed_reason(msg("it waited longer than its class's queue_timeout_s")) == "timeout"
+    assert shed_reason(msg("the proxy is overloaded and sheds the lowest classes first")) == (
+        "overload"
+    )
+    assert shed_reason(msg("something new")) == "something new"
     assert shed_reason("too many requests") == "other"
     assert shed_reason(None) == "unknown"
 
@@ -435,3 +443,15 @@ def test_sweep_points_carry_ratios_windows_and_best_baseline():
     text = bench_cli.render_sweep(summary)
     assert "Goodput" in text and "best baseline rr" in text
     assert json.dumps(summary)
+
+
+def test_shed_reason_reads_every_message_the_proxy_sends():
+    from proxy.dispatch import _shed_error
+    from proxy.scheduling.gate import Shed
+    from proxy.scheduling.queues import ShedReason
+
+    for reason in ShedReason:
+        if reason is ShedReason.SHUTDOWN:
+            continue  # answered 503, not 429
+        err = _shed_error("accel_sim", Shed(reason, 1.0, "realtime"))
+        assert shed_reason(str(err)) == reason.value, str(err)
