@@ -392,7 +392,8 @@ class RunRecords:
     instances: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     sheds: Counter[str] = field(default_factory=Counter)
-    """``"<class> <reason>"`` -> requests shed (429), the reason read from the proxy's answer."""
+    """``"<class> <reason>"`` -> requests of the measured window shed (429), the reason read
+    from the proxy's answer."""
     load_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     """(seconds since t0, instance -> probed load)."""
 
@@ -460,7 +461,8 @@ async def run_schedule(
             counts.ok += 1
         elif result.outcome == Outcome.SHED:
             counts.shed += 1
-            rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
+            if not arrival.warmup:  # like every other figure: the measured window only
+                rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
         else:
             counts.error += 1
             rec.errors[f"{result.status} {result.error}"] += 1
