@@ -4,8 +4,8 @@
                        [--repetitions N] [--scale 0.8 1.0 1.2] [--out bench-results/DIR]
                        [--overhead]
 
-    # issue 10's sweep: 4 scenarios x 5 loads x 6 arms x 3 repetitions
-    triton-proxy bench --scenario benchmarks/issue10/*.yaml --arms issue10 \
+    # issue 10's sweep (4 scenarios x 5 loads x 6 arms x 3 repetitions; see docs/benchmarks.md)
+    triton-proxy bench --scenario benchmarks/issue10/*.yaml --arms issue10
                        --scale 0.25 0.5 1 1.5 2 --repetitions 3 --out bench-results/issue10
 
 Starts ``--instances`` local Triton servers (``proxy.local.LocalFleet``) serving the scenario's
