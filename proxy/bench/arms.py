@@ -10,7 +10,15 @@ Every arm sends the same schedule to the same local Triton servers:
   request dispatched at once);
 - ``proxy_<policy>+classes``: the same with a ``scheduling:`` section built from the
   scenario's classes (:func:`scheduling_section`): class queues, Triton priority per class,
-  API keys deciding the class.
+  API keys deciding the class, everything else the policy file's defaults;
+- ``proxy_previous_best``: the best proxy configuration before issue 10, pinned:
+  ``least_requests`` + classes with a fixed ``concurrency`` of 2 x ``max_batch_size`` (32),
+  no deadline admission (``shed_late: false``), adaptive concurrency off;
+- ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
+  class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
+  derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
+- ``proxy_class_aware+adaptive``: the same with adaptive concurrency and deadline admission on
+  (both measured to shed real-time traffic at light load in issue 10's case, so off by default).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -36,6 +44,7 @@ import yaml
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
 from proxy.bench.procs import stop_process
+from proxy.bench.results import PROXY_RSS
 from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.local.fleet import log_tail
@@ -48,6 +57,10 @@ PROXY_MODES: tuple[ProxyMode, ...] = ("subprocess", "inprocess")
 PROXY_POLICIES = ("round_robin", "least_requests", "weighted_score", "p2c", "consistent_hash")
 CLASS_POLICIES = ("least_requests", "weighted_score")
 """Policies also measured with classes (the ones that read load, where queues pay off)."""
+
+PREVIOUS_CONCURRENCY = 32
+"""The fixed per-instance concurrency before issue 10: 2 x ``max_batch_size`` (16 for
+``accel_sim``), what ``derive_concurrency`` gave for one model instance."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,10 @@ class ArmPlan:
     balance: Balance | None = None
     policy: str | None = None
     classes: bool = False
+    scheduling: Mapping[str, Any] | None = None
+    """Keys set on the ``scheduling:`` section over the ones built from the scenario."""
+    lowest_max_per_instance: int | None = None
+    """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -96,6 +113,38 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for p in CLASS_POLICIES
     ]
+    plans += [
+        ArmPlan(
+            "proxy_previous_best",
+            "proxy",
+            "triton-proxy before issue 10: least_requests + classes, fixed concurrency "
+            f"{PREVIOUS_CONCURRENCY}/instance, no deadline admission, no adaptive concurrency",
+            policy="least_requests",
+            classes=True,
+            scheduling={
+                "concurrency": PREVIOUS_CONCURRENCY,
+                "shed_late": False,
+                "adaptive_concurrency": {"enabled": False},
+            },
+        ),
+        ArmPlan(
+            "proxy_class_aware",
+            "proxy",
+            "triton-proxy, issue 10: expected_start + classes, lowest class max_per_instance 1",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=1,
+        ),
+        ArmPlan(
+            "proxy_class_aware+adaptive",
+            "proxy",
+            "proxy_class_aware with adaptive concurrency and deadline admission on",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=1,
+            scheduling={"shed_late": True, "adaptive_concurrency": {"enabled": True}},
+        ),
+    ]
     return {p.name: p for p in plans}
 
 
@@ -113,6 +162,16 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "proxy_weighted_score+classes",
     ),
     "quick": ("round_robin", "rr_priority", "proxy_least_requests+classes"),
+    # Issue 10's comparison: four baselines, the proxy's previous best and the new one.
+    "issue10": (
+        "round_robin",
+        "rr_priority",
+        "haproxy_leastconn",
+        "haproxy_random2",
+        "proxy_previous_best",
+        "proxy_class_aware",
+        "proxy_class_aware+adaptive",
+    ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),
     "all": tuple(CATALOG),
@@ -173,6 +232,7 @@ def scheduling_section(scenario: Scenario) -> dict[str, Any]:
                     f"classes {keys[spec.api_key]['class_name']!r} and {name!r} share an api_key"
                 )
             keys[spec.api_key] = {"class_name": name}
+    # ranked[-1], the least important class, is also where unknown callers go
     return {"default_class": ranked[-1], "classes": classes, "api_keys": keys}
 
 
@@ -216,7 +276,12 @@ def proxy_policy(
     if plan.classes:
         if scenario is None:
             raise ValueError(f"{plan.name} needs the scenario's classes")
-        doc["scheduling"] = scheduling_section(scenario)
+        section = scheduling_section(scenario)
+        if plan.lowest_max_per_instance is not None:
+            lowest = section["default_class"]
+            section["classes"][lowest]["max_per_instance"] = plan.lowest_max_per_instance
+        section.update(dict(plan.scheduling or {}))
+        doc["scheduling"] = section
     return doc
 
 
@@ -229,7 +294,8 @@ class ProxyEndpoints:
     metrics_url: str | None
     grpc_address: str | None = None
     pid: int | None = None
-    """The proxy's process (its workers are its children), when it runs in one of its own."""
+    """The proxy's process (its workers are its children), when it runs in one of its own;
+    for its memory. None in-process."""
 
 
 class ProxyStartError(RuntimeError):
@@ -392,6 +458,38 @@ class MergedProbe:
             await p.aclose()
 
 
+class RssProbe:
+    """The resident memory of one process (``VmRSS`` in ``/proc/<pid>/status``), MiB."""
+
+    def __init__(self, pid: int, key: str = PROXY_RSS) -> None:
+        self.pid = pid
+        self.key = key
+
+    async def sample(self) -> Mapping[str, float]:
+        rss = read_rss_mib(self.pid)
+        return {} if rss is None else {self.key: rss}
+
+    async def aclose(self) -> None:
+        return None
+
+
+def read_rss_mib(pid: int, proc_root: Path = Path("/proc")) -> float | None:
+    """``VmRSS`` of ``pid`` in MiB, None when the process is gone (or no procfs)."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    return parse_vm_rss_mib(text)
+
+
+def parse_vm_rss_mib(status: str) -> float | None:
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            parts = line.split()
+            return int(parts[1]) / 1024.0 if len(parts) >= 2 and parts[1].isdigit() else None
+    return None
+
+
 TRITON_PENDING = "nv_inference_pending_request_count"
 PROXY_IN_FLIGHT = "triton_proxy_instance_in_flight"
 
@@ -406,12 +504,17 @@ def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGau
 def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints) -> LoadProbe:
     """Triton's queued requests plus the proxy's own in-flight count per instance."""
     pending = triton_pending_probe(servers, model)
-    if endpoints.metrics_url is None:
+    parts: list[tuple[LoadProbe, str]] = [(pending, " queued")]
+    if endpoints.metrics_url is not None:
+        in_flight = PrometheusGaugeProbe(
+            {"proxy": endpoints.metrics_url}, PROXY_IN_FLIGHT, split_label="instance"
+        )
+        parts.append((in_flight, " proxy in flight"))
+    if endpoints.pid is not None:
+        parts.append((RssProbe(endpoints.pid), ""))
+    if len(parts) == 1:
         return pending
-    in_flight = PrometheusGaugeProbe(
-        {"proxy": endpoints.metrics_url}, PROXY_IN_FLIGHT, split_label="instance"
-    )
-    return MergedProbe([(pending, " queued"), (in_flight, " proxy in flight")])
+    return MergedProbe(parts)
 
 
 # -- ArmSpecs ------------------------------------------------------------------------------

@@ -1,17 +1,26 @@
 """``triton-proxy bench``: every arm on the same open-loop schedule against a local fleet.
 
-    triton-proxy bench [--scenario benchmarks/mixed.yaml] [--instances 3] [--arms default]
+    triton-proxy bench [--scenario benchmarks/mixed.yaml ...] [--instances 3] [--arms default]
                        [--repetitions N] [--scale 0.8 1.0 1.2] [--out bench-results/DIR]
                        [--overhead [--overhead-parts closed,open]] [--workers 1,2,4]
     triton-proxy bench --routing      # routing decision microbenchmark, no servers
+
+    # issue 10's sweep (4 scenarios x 5 loads x 6 arms x 3 repetitions; see docs/benchmarks.md)
+    triton-proxy bench --scenario benchmarks/issue10/*.yaml --arms issue10
+                       --scale 0.25 0.5 1 1.5 2 --repetitions 3 --out bench-results/issue10
 
 Starts ``--instances`` local Triton servers (``proxy.local.LocalFleet``) serving the scenario's
 model, with the scenario's ``model.parameters`` written into a private copy of its
 ``config.pbtxt`` (``accel_sim``: the emulated device), plus ``simple`` for ``--overhead``. Then,
 for each ``--scale``, runs the chosen arms (:mod:`proxy.bench.arms`) one after another on one
 schedule per repetition, prints the table and writes ``report.json``, ``report.txt`` and the
-PNGs. ``--overhead`` adds the idle-fleet overhead and sustained-rate measurement
-(:mod:`proxy.bench.overhead`) of the proxy next to direct access and HAProxy, and a
+PNGs; then a sweep summary over the loads (``sweep.txt`` / ``sweep.json``: P50/P99 and SLO
+attainment per class, ratios vs the best baseline, goodput, completions per 10 s window of the
+throughput classes, sheds by reason, proxy memory; :mod:`proxy.bench.sweep`). Several
+``--scenario`` files run one after another, each on a fresh fleet, into ``OUT/<file stem>/``.
+Before starting, each scenario's FIFO capacity (:mod:`proxy.bench.capacity`) and the run's
+estimated time are printed. ``--overhead`` adds the idle-fleet overhead and sustained-rate
+measurement (:mod:`proxy.bench.overhead`) of the proxy next to direct access and HAProxy, and a
 closed-loop run at concurrency 1 and 16 over HTTP and gRPC (:mod:`proxy.bench.closed`).
 ``--workers 1,2,4`` runs every proxy arm once per worker count (``serve --workers N``).
 ``--routing`` times one routing decision per policy and fleet size
@@ -49,6 +58,7 @@ from proxy.bench.arms import (
     triton_pending_probe,
     with_connection_limit,
 )
+from proxy.bench.capacity import Capacity, fifo_capacity
 from proxy.bench.closed import ClosedArm, ClosedReport, ClosedTarget, measure_closed
 from proxy.bench.compare import ACCEL_SIM_NOTE, ArmSpec, run_comparison
 from proxy.bench.cpu import CpuMeter
@@ -57,6 +67,7 @@ from proxy.bench.overhead import OverheadReport, measure_overhead
 from proxy.bench.report import render_table, write_all
 from proxy.bench.results import Report
 from proxy.bench.scenario import ModelSpec, Scenario, load_scenario
+from proxy.bench.sweep import best_baseline, plot_sweep, render_sweep, sweep_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SCENARIO = ROOT / "benchmarks" / "mixed.yaml"
@@ -80,7 +91,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    b.add_argument("--scenario", default=str(DEFAULT_SCENARIO), help="scenario YAML")
+    b.add_argument(
+        "--scenario",
+        nargs="+",
+        default=[str(DEFAULT_SCENARIO)],
+        help="scenario YAML file(s); several run one after another, each into OUT/<stem>/",
+    )
     b.add_argument("--instances", type=int, default=3, help="local Triton servers (default 3)")
     b.add_argument(
         "--arms",
@@ -88,6 +104,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="comma list of arms and presets (" + ", ".join(PRESETS) + "); see --list-arms",
     )
     b.add_argument("--list-arms", action="store_true", help="print the arms and presets, exit")
+    b.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each scenario's FIFO capacity and the run's estimated time, start nothing",
+    )
     b.add_argument("--repetitions", type=int, default=None, help="override the scenario's")
     b.add_argument(
         "--duration", type=float, default=None, help="measured seconds per run (override)"
@@ -216,9 +237,41 @@ def baseline_name(plans: Sequence[ArmPlan]) -> str:
     return "round_robin" if "round_robin" in names else names[0]
 
 
-def estimate_seconds(scenario: Scenario, arms: int, scales: int, per_arm_s: float = 6.0) -> float:
-    """Rough wall time of the comparison (start, settle and drain cost ``per_arm_s``)."""
-    return scales * scenario.repetitions * arms * (scenario.horizon_s + per_arm_s)
+FLEET_START_S = 30.0
+"""Starting (and stopping) the local Triton fleet for one scenario, roughly."""
+
+
+def estimate_sweep_seconds(
+    scenario: Scenario,
+    arms: int,
+    scales: Sequence[float],
+    rho: float | None = None,
+    per_arm_s: float = 6.0,
+) -> float:
+    """Rough wall time of one scenario's sweep, fleet start included.
+
+    Each run takes its horizon plus ``per_arm_s`` (start, settle); above FIFO capacity
+    (``rho`` x factor > 1, ``rho`` the offered load / FIFO capacity at factor 1) a FIFO arm
+    also drains its backlog after the last arrival, about ``horizon x (load - 1)`` seconds, at
+    most the client timeout: counted for every arm, so the figure leans long.
+    """
+    total = FLEET_START_S
+    for f in scales:
+        drain = 0.0
+        if rho is not None:
+            drain = min(scenario.timeout_s, scenario.horizon_s * max(0.0, rho * f - 1.0))
+        total += scenario.repetitions * arms * (scenario.horizon_s + per_arm_s + drain)
+    return total
+
+
+def scenario_dir(out: Path, path: str | Path, paths: Sequence[str | Path]) -> Path:
+    """One scenario writes into ``out``; several write ``out/<file stem>`` each."""
+    return out if len(paths) == 1 else out / Path(path).stem
+
+
+def baseline_arms(plans: Sequence[ArmPlan]) -> list[str]:
+    """The arms that are not the proxy (the baselines the proxy is judged against)."""
+    return [p.name for p in plans if p.kind != "proxy"]
 
 
 def models_needed(scenario: Scenario, overhead: bool) -> list[str]:
@@ -242,98 +295,6 @@ def device_note(scenario: Scenario) -> str:
         return ACCEL_SIM_NOTE if scenario.model.name == "accel_sim" else ""
     shown = ", ".join(f"{k}={v:g}" for k, v in params.items())
     return f"{ACCEL_SIM_NOTE} Emulated device: {scenario.model.name} {shown}."
-
-
-# -- sweep summary -------------------------------------------------------------------------
-
-
-def sweep_summary(reports: Sequence[tuple[float, Report]]) -> dict[str, Any]:
-    """Per scale, arm and class: pooled P50/P99, SLO attainment and completion."""
-    out: dict[str, Any] = {"scales": [s for s, _ in reports], "points": []}
-    for scale, report in reports:
-        for arm in report.arms:
-            for cls in report.scenario.class_names:
-                c = report.merged(arm, cls)
-                if c is None:
-                    continue
-                out["points"].append(
-                    {
-                        "scale": scale,
-                        "arm": arm,
-                        "class": cls,
-                        "rate_rps": report.scenario.classes[cls].rate_rps,
-                        "p50_ms": c.p50_ms,
-                        "p99_ms": c.p99_ms,
-                        "slo_p99_ms": c.slo_p99_ms,
-                        "slo_attainment": c.slo_attainment,
-                        "completion_rate": c.completion_rate,
-                    }
-                )
-    return out
-
-
-def render_sweep(summary: dict[str, Any]) -> str:
-    points = summary["points"]
-    classes = list(dict.fromkeys(p["class"] for p in points))
-    arms = list(dict.fromkeys(p["arm"] for p in points))
-    scales = summary["scales"]
-    lines = ["Load sweep: P99 ms (SLO attainment %) per class, arm and load factor"]
-    for cls in classes:
-        head = f"{'arm':<30}" + "".join(f"{'x' + format(s, 'g'):>18}" for s in scales)
-        lines += ["", f"class {cls}", head]
-        for arm in arms:
-            cells = []
-            for s in scales:
-                p = next(
-                    (q for q in points if (q["arm"], q["class"], q["scale"]) == (arm, cls, s)), None
-                )
-                if p is None or p["p99_ms"] is None:
-                    cells.append(f"{'-':>18}")
-                    continue
-                att = p["slo_attainment"]
-                extra = f" ({100 * att:.1f}%)" if att is not None else ""
-                cells.append(f"{p['p99_ms']:>10.1f}{extra:>8}")
-            lines.append(f"{arm:<30}" + "".join(cells))
-    return "\n".join(lines)
-
-
-def plot_sweep(summary: dict[str, Any], path: Path) -> Path:
-    from proxy.bench.report import _pyplot
-
-    plt = _pyplot()
-    from matplotlib import ticker
-
-    points = summary["points"]
-    classes = list(dict.fromkeys(p["class"] for p in points))
-    arms = list(dict.fromkeys(p["arm"] for p in points))
-    fig, axes = plt.subplots(1, len(classes), figsize=(5.5 * len(classes), 4.2), squeeze=False)
-    for j, cls in enumerate(classes):
-        ax = axes[0][j]
-        slo = None
-        for arm in arms:
-            pts = sorted(
-                (p["scale"], p["p99_ms"])
-                for p in points
-                if p["arm"] == arm and p["class"] == cls and p["p99_ms"] is not None
-            )
-            slo = next((p["slo_p99_ms"] for p in points if p["class"] == cls), None)
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=arm, linewidth=1)
-        if slo is not None:
-            ax.axhline(slo, color="red", linestyle=":", linewidth=1, label="SLO")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-        ax.set_title(f"{cls}: P99 vs load factor")
-        ax.set_xlabel("load factor (x scenario rates)")
-        ax.set_ylabel("P99 ms (from scheduled send)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -391,33 +352,82 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.routing:
         return cmd_routing(args)
-    from proxy.local import LocalFleet, sigterm_raises_exit
+    from proxy.local import sigterm_raises_exit
 
     try:
-        scenario = bench_scenario(args.scenario, args.repetitions, args.duration)
+        scenarios = [
+            bench_scenario(path, args.repetitions, args.duration) for path in args.scenario
+        ]
         plans = resolve_arms(args.arms)
         rates = parse_rates(args.overhead_rates)
         workers = parse_workers(args.workers)
         parts = {x.strip() for x in args.overhead_parts.split(",") if x.strip()}
         if not parts <= {"closed", "open"}:
             raise ValueError("--overhead-parts: closed, open")
+        capacities = [fifo_capacity(sc, servers=args.instances) for sc in scenarios]
     except ValueError as exc:
         print(f"triton-proxy bench: {exc}", file=sys.stderr)
         return 2
     if any(s <= 0 for s in args.scale):
         print("triton-proxy bench: --scale factors must be > 0", file=sys.stderr)
         return 2
+    args.workers_list = workers
+    args.parts = parts
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else ROOT / "bench-results" / stamp
+    per_proxy = len(workers) + (1 if args.baseline_tree else 0)
+    n_arms = sum(per_proxy if p.kind == "proxy" else 1 for p in plans)
+    total = 0.0
+    for path, sc, cap in zip(args.scenario, scenarios, capacities, strict=True):
+        est = estimate_sweep_seconds(sc, n_arms, args.scale, cap.rho)
+        total += est
+        if not args.no_compare:
+            print(
+                f"bench: {path}: {cap.render(args.instances)}; x{max(args.scale):g} = "
+                f"{cap.rho * max(args.scale):.2f} x FIFO capacity; about {est / 60:.0f} min",
+                flush=True,
+            )
+    if not args.no_compare:
+        print(
+            f"bench: {len(scenarios)} scenario(s) x {n_arms} arms x "
+            f"{scenarios[0].repetitions} repetition(s) x {len(args.scale)} load factor(s), "
+            f"about {total / 60:.0f} min in all; results in {out}",
+            flush=True,
+        )
+    if args.dry_run:
+        return 0
+    with sigterm_raises_exit():
+        for path, sc, cap in zip(args.scenario, scenarios, capacities, strict=True):
+            _bench_scenario(args, path, sc, cap, plans, rates, out)
+    if args.publish:
+        from proxy.bench.publish import publish
+
+        files = publish(out, Path(args.publish))
+        print(f"bench: {len(files)} small copies in {args.publish}", flush=True)
+    return 0
+
+
+def _bench_scenario(
+    args: argparse.Namespace,
+    path: str,
+    scenario: Scenario,
+    capacity: Capacity,
+    plans: Sequence[ArmPlan],
+    rates: Sequence[float],
+    root: Path,
+) -> None:
+    from proxy.local import LocalFleet
+
+    out = scenario_dir(root, path, args.scenario)
     work = out / "work"
     env = _environment(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-    env["scenario"] = str(args.scenario)
+    env["scenario"] = str(path)
+    env["fifo_capacity_rps"] = capacity.requests_per_s
+    env["offered_rps_at_1"] = capacity.offered_rps
     env["proxy_mode"] = args.proxy_mode
     env["instances"] = args.instances
     env["connections"] = args.connections
-    env["workers"] = list(workers)
-    args.workers_list = workers
-    args.parts = parts
+    env["workers"] = list(args.workers_list)
     models = models_needed(scenario, args.overhead)
     repo = bench_repository(
         Path(args.model_repository),
@@ -427,33 +437,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if scenario.model.parameters
         else None,
     )
-    if not args.no_compare:
-        per_proxy = len(workers) + (1 if args.baseline_tree else 0)
-        n_arms = sum(per_proxy if p.kind == "proxy" else 1 for p in plans)
-        est = estimate_seconds(scenario, n_arms, len(args.scale))
+    with LocalFleet(args.instances, repo, models, work / "logs") as fleet:
+        servers = fleet.servers
         print(
-            f"bench: {n_arms} arms x {scenario.repetitions} repetition(s) x "
-            f"{len(args.scale)} load factor(s), about {est / 60:.0f} min; results in {out}",
+            f"bench: {path}: servers " + ", ".join(f"{s.name} {s.http_url}" for s in servers),
             flush=True,
         )
-    with (
-        sigterm_raises_exit(),
-        LocalFleet(args.instances, repo, models, work / "logs") as fleet,
-    ):
-        servers = fleet.servers
-        print("bench: servers " + ", ".join(f"{s.name} {s.http_url}" for s in servers), flush=True)
         meter = CpuMeter(lambda: set(fleet.started_pgids))
         _run_async(_bench(args, scenario, plans, servers, out, rates, meter))
     env["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     env["load_average_end"] = list(os.getloadavg())
     (out / "run.json").write_text(json.dumps(env, indent=1) + "\n")
     print(f"bench: results in {out}", flush=True)
-    if args.publish:
-        from proxy.bench.publish import publish
-
-        files = publish(out, Path(args.publish))
-        print(f"bench: {len(files)} small copies in {args.publish}", flush=True)
-    return 0
 
 
 async def _bench(
@@ -510,20 +505,21 @@ async def _bench(
                 show_progress=show,
                 note=note,
             )
+            # ratios in the table: against this load's best baseline when there is one
+            report.baseline = best_baseline(report, baseline_arms(plans)) or report.baseline
             reports.append((scale, report))
             folder = scale_dir(out, scale, args.scale)
             write_all(report, folder, plots=not args.no_plots)
             (folder / "cpu.txt").write_text(meter.render() + "\n")
             (folder / "cpu.json").write_text(json.dumps(meter.to_dict(), indent=1) + "\n")
             print(render_table(report) + "\n\n" + meter.render(), flush=True)
-        if len(reports) > 1:
-            summary = sweep_summary(reports)
-            (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")
-            text = render_sweep(summary)
-            (out / "sweep.txt").write_text(text + "\n")
-            print("\n" + text, flush=True)
-            if not args.no_plots:
-                plot_sweep(summary, out / "sweep.png")
+        summary = sweep_summary(reports, baseline_arms(plans))
+        (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")
+        text = render_sweep(summary)
+        (out / "sweep.txt").write_text(text + "\n")
+        print("\n" + text, flush=True)
+        if len(reports) > 1 and not args.no_plots:
+            plot_sweep(summary, out / "sweep.png")
     if args.overhead and "closed" in args.parts:
         closed = await _closed(args, scenario, servers, work)
         text = closed.render()

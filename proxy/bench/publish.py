@@ -69,7 +69,8 @@ def publish(src: Path, dest: Path) -> list[Path]:
     written: list[Path] = []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if not path.is_file() or rel.parts[0] in SKIP_DIRS:
+        # a work folder at any depth: several scenarios write OUT/<scenario>/work
+        if not path.is_file() or SKIP_DIRS & set(rel.parts[:-1]):
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,11 @@ def render_table(report: Report) -> str:
     for cls in sc.class_names:
         spec = sc.classes[cls]
         slo = f"SLO P99 {spec.slo_p99_ms:g} ms" if spec.slo_p99_ms is not None else "no SLO"
-        lines += ["", f"class {cls}: {spec.rate_rps:g} req/s, {slo}", head, "-" * len(head)]
+        rate = f"{spec.rate_rps:g} req/s"
+        if spec.bursts:
+            mean = spec.mean_rate_rps(sc.duration_s)
+            rate += f" + {spec.burst_requests(sc.duration_s)} in bursts ({mean:.1f} req/s mean)"
+        lines += ["", f"class {cls}: {rate}, {slo}", head, "-" * len(head)]
         for arm in report.arms:
             c = report.merged(arm, cls)
             if c is None:
@@ -103,6 +107,21 @@ def render_table(report: Report) -> str:
         if errors:
             top = sorted(errors.items(), key=lambda kv: -kv[1])[:2]
             notes.append("errors: " + "; ".join(f"{n}x {k}" for k, n in top))
+        sheds: dict[str, int] = {}
+        for a in ok:
+            for k, n in a.sheds.items():
+                sheds[k] = sheds.get(k, 0) + n
+        if sheds:
+            notes.append("shed: " + ", ".join(f"{k} {n}" for k, n in sorted(sheds.items())))
+        for cls in sc.class_names:
+            if sc.classes[cls].slo_p99_ms is None:
+                mins = [m for a in ok if (m := a.min_window(cls)) is not None]
+                if mins:
+                    width = min(ok[0].window_s, sc.duration_s)
+                    notes.append(f"{cls} done per {width:g}s window min {min(mins)}")
+        rss = [a.proxy_rss_mib["max"] for a in ok if a.proxy_rss_mib]
+        if rss:
+            notes.append(f"proxy RSS max {max(rss):.0f} MiB")
         lines.append(
             f"{arm:<{w}} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
             f"{_ms(lag):>11}  {' | '.join(notes)}"

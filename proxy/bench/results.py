@@ -6,7 +6,11 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
 
 - ``completion_rate`` = OK / scheduled;
 - ``slo_attainment`` = (OK and latency <= the class's ``slo_p99_ms``) / scheduled;
-- ``throughput_rps`` = OK / measured duration.
+- ``throughput_rps`` = OK / measured duration;
+- ``windows`` = OK completions per class in each ``window_s`` (10 s) window of the measured
+  period, by completion time whatever the arrival time: a class starved for a while shows a
+  window near zero even when its total looks fine;
+- the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`).
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
 then summarised across repetitions; absolute times from different runs are not compared.
@@ -27,6 +31,10 @@ from proxy.bench.scenario import Arrival, Scenario
 from proxy.stats.histogram import Histogram
 
 US = 1_000_000
+WINDOW_S = 10.0
+"""Width of the completion-count windows (offline completions per 10 s window)."""
+PROXY_RSS = "proxy rss MiB"
+"""Probe sample key holding the proxy process's resident memory (proxy arms only)."""
 
 
 @dataclass
@@ -145,6 +153,17 @@ class ArmResult:
     """How late the generator itself sent requests; large values mean it was overloaded."""
     dispatch_lag_max_ms: float | None = None
     loads: list[LoadSeries] = field(default_factory=list)
+    window_s: float = WINDOW_S
+    windows: dict[str, list[int]] = field(default_factory=dict)
+    """Per class: OK completions in each window of the measured period (see module doc)."""
+    sheds: Counter[str] = field(default_factory=Counter)
+    """``"<class> <reason>"`` -> requests shed."""
+    proxy_rss_mib: dict[str, float] | None = None
+    """``first`` / ``max`` / ``last`` probed RSS of the proxy process, MiB (proxy arms)."""
+
+    def min_window(self, cls: str) -> int | None:
+        w = self.windows.get(cls)
+        return min(w) if w else None
 
     def total(self) -> ClassStats:
         out = ClassStats()
@@ -180,7 +199,38 @@ class ArmResult:
             "dispatch_lag_p99_ms": self.dispatch_lag_p99_ms,
             "dispatch_lag_max_ms": self.dispatch_lag_max_ms,
             "loads": [s.to_dict() for s in self.loads],
+            "window_s": self.window_s,
+            "windows": self.windows,
+            "sheds": dict(self.sheds),
+            "proxy_rss_mib": self.proxy_rss_mib,
         }
+
+
+def window_counts(
+    finished: NDArray[np.float64], start: float, duration_s: float, window_s: float = WINDOW_S
+) -> list[int]:
+    """Completions (finish times, same clock as ``start``) in each window of the period.
+
+    The period ``[start, start + duration_s)`` is cut into ``floor(duration_s / window_s)``
+    whole windows (a tail shorter than a window is left out); a period shorter than one window
+    is one window of its own length. NaN (never finished) counts nowhere.
+    """
+    n = int(duration_s // window_s)
+    width = window_s if n >= 1 else duration_s
+    n = max(n, 1)
+    edges = start + width * np.arange(n + 1)
+    done = finished[~np.isnan(finished)]
+    done = done[done < edges[-1]]  # half-open windows (histogram closes the last one)
+    counts, _ = np.histogram(done, bins=edges)
+    return [int(x) for x in counts]
+
+
+def rss_summary(rec: RunRecords) -> dict[str, float] | None:
+    """First, max and last probed proxy RSS (MiB), or None when no probe reported it."""
+    values = [s[PROXY_RSS] for _, s in rec.load_samples if PROXY_RSS in s]
+    if not values:
+        return None
+    return {"first": values[0], "max": max(values), "last": values[-1]}
 
 
 def summarize_run(
@@ -189,6 +239,7 @@ def summarize_run(
     schedule: Sequence[Arrival],
     rec: RunRecords,
     load_grid_s: float = 0.5,
+    window_s: float = WINDOW_S,
 ) -> ArmResult:
     n = len(schedule)
     measured = np.fromiter((not a.warmup for a in schedule), dtype=bool, count=n)
@@ -196,7 +247,13 @@ def summarize_run(
         (scenario.class_names.index(a.cls) for a in schedule), dtype=np.int64, count=n
     )
     lat = rec.latency
-    result = ArmResult(name=name, errors=Counter(rec.errors))
+    result = ArmResult(
+        name=name,
+        errors=Counter(rec.errors),
+        window_s=window_s,
+        sheds=Counter(rec.sheds),
+        proxy_rss_mib=rss_summary(rec),
+    )
     for k, cname in enumerate(scenario.class_names):
         spec = scenario.classes[cname]
         sel = measured & (cls_of == k)
@@ -216,6 +273,10 @@ def summarize_run(
             stats.within_slo = int((lat_ok * 1000.0 <= spec.slo_p99_ms).sum())
         stats.latency_us.record_many(np.round(np.maximum(lat_ok, 0.0) * US).astype(np.int64))
         result.classes[cname] = stats
+        done = (cls_of == k) & (rec.outcome == Outcome.OK)
+        result.windows[cname] = window_counts(
+            rec.finished[done], rec.t0 + scenario.warmup_s, scenario.duration_s, window_s
+        )
     lag = (rec.started - rec.scheduled)[~np.isnan(rec.started)]
     if lag.size:
         result.dispatch_lag_p99_ms = float(np.percentile(lag, 99) * 1000.0)
@@ -259,7 +320,7 @@ def client_in_flight(rec: RunRecords, grid_s: float) -> LoadSeries:
 
 
 def probed_load(rec: RunRecords) -> LoadSeries:
-    names = sorted({k for _, sample in rec.load_samples for k in sample})
+    names = sorted({k for _, sample in rec.load_samples for k in sample} - {PROXY_RSS})
     series = LoadSeries(source="probe", t=[round(t, 6) for t, _ in rec.load_samples])
     for name in names:
         series.values[name] = [sample.get(name) for _, sample in rec.load_samples]

@@ -72,7 +72,10 @@ _NP_TYPES = {"INT64": np.int64, "INT32": np.int32}
 
 
 class RequestEncoder:
-    """Builds KServe v2 infer bodies and headers; bodies are cached per (tokens, priority)."""
+    """Builds KServe v2 infer bodies and headers; cached per (tokens, rows, priority).
+
+    The input's shape is ``[rows, tokens]``: ``rows`` rows of the batch dimension.
+    """
 
     def __init__(self, model: ModelSpec, classes: Mapping[str, ClassSpec], priority: bool) -> None:
         self.model = model
@@ -80,23 +83,23 @@ class RequestEncoder:
         self.priority = priority
         version = f"/versions/{model.version}" if model.version else ""
         self.path = f"/v2/models/{model.name}{version}/infer"
-        self._bodies: dict[tuple[int, int], tuple[bytes, dict[str, str]]] = {}
+        self._bodies: dict[tuple[int, int, int], tuple[bytes, dict[str, str]]] = {}
 
-    def _body(self, tokens: int, priority: int) -> tuple[bytes, dict[str, str]]:
-        key = (tokens, priority)
+    def _body(self, tokens: int, priority: int, rows: int = 1) -> tuple[bytes, dict[str, str]]:
+        key = (tokens, rows, priority)
         cached = self._bodies.get(key)
         if cached is not None:
             return cached
         m = self.model
         names = (m.input, *m.extra_inputs)
         tensors: list[dict[str, object]] = [
-            {"name": name, "shape": [1, tokens], "datatype": m.datatype} for name in names
+            {"name": name, "shape": [rows, tokens], "datatype": m.datatype} for name in names
         ]
         params: dict[str, object] = {}
         if priority:
             params["priority"] = priority
         if m.encoding == "binary":
-            data = np.ones(tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
+            data = np.ones(rows * tokens, dtype=_NP_TYPES[m.datatype]).tobytes()
             for tensor in tensors:
                 tensor["parameters"] = {"binary_data_size": len(data)}
             params["binary_data_output"] = True
@@ -110,7 +113,7 @@ class RequestEncoder:
             )
         else:
             for tensor in tensors:
-                tensor["data"] = [1] * tokens
+                tensor["data"] = [1] * (rows * tokens)
             doc: dict[str, object] = {"inputs": tensors}
             if params:
                 doc["parameters"] = params
@@ -120,7 +123,9 @@ class RequestEncoder:
 
     def encode(self, arrival: Arrival) -> tuple[bytes, dict[str, str]]:
         spec = self.classes[arrival.cls]
-        body, base = self._body(arrival.tokens, spec.triton_priority if self.priority else 0)
+        body, base = self._body(
+            arrival.tokens, spec.triton_priority if self.priority else 0, arrival.rows
+        )
         headers = dict(base)
         if spec.api_key:
             headers["Authorization"] = f"Bearer {spec.api_key}"
@@ -193,8 +198,9 @@ class HttpTarget:
                     instance = resp.headers.get(self.spec.instance_header)
                 if resp.status == 200:
                     return SendResult(Outcome.OK, 200, instance)
-                outcome = Outcome.SHED if resp.status == 429 else Outcome.ERROR
-                return SendResult(outcome, resp.status, instance, _error_text(payload))
+                if resp.status == 429:  # the whole message: its reason is near the end
+                    return SendResult(Outcome.SHED, 429, instance, _error_text(payload, 400))
+                return SendResult(Outcome.ERROR, resp.status, instance, _error_text(payload))
         except TimeoutError:
             return SendResult(Outcome.ERROR, 0, known, "client timeout")
         except (aiohttp.ClientError, OSError) as exc:
@@ -206,14 +212,39 @@ class HttpTarget:
             self._session = None
 
 
-def _error_text(payload: bytes) -> str:
+SHED_PHRASES = {
+    "slo_p99_ms": "late",
+    "queue is full": "queue_full",
+    "overloaded": "overload",
+    "queue_timeout_s": "timeout",
+}
+"""A phrase of the proxy's shed message (``proxy/dispatch.py``) -> the shed reason."""
+
+
+def shed_reason(error: str | None) -> str:
+    """The reason of a 429 from the proxy's message: ``"... was shed: it would be answered
+    after its class's slo_p99_ms; retry after 1 s"`` -> ``late``; an unknown wording gives
+    its own text up to the ``;``."""
+    if not error:
+        return "unknown"
+    _, sep, why = error.rpartition("shed: ")
+    if not sep:
+        return "other"
+    why = why.split(";", 1)[0].strip()
+    for phrase, reason in SHED_PHRASES.items():
+        if phrase in why:
+            return reason
+    return why or "unknown"
+
+
+def _error_text(payload: bytes, limit: int = 80) -> str:
     try:
         doc = json.loads(payload)
     except ValueError:
-        return payload[:80].decode(errors="replace")
+        return payload[:limit].decode(errors="replace")
     if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-        return str(doc["error"])[:80]
-    return payload[:80].decode(errors="replace")
+        return str(doc["error"])[:limit]
+    return payload[:limit].decode(errors="replace")
 
 
 # -- per-instance load probes --------------------------------------------------------------
@@ -258,6 +289,8 @@ class PrometheusGaugeProbe:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:
             async with self._session.get(url) as resp:
+                if resp.status != 200:
+                    return {}  # not a metrics endpoint (yet): no sample, like no answer
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError, OSError):
             return {}
@@ -358,6 +391,9 @@ class RunRecords:
     """Index into ``instances``, -1 when the client could not tell."""
     instances: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    sheds: Counter[str] = field(default_factory=Counter)
+    """``"<class> <reason>"`` -> requests of the measured window shed (429), the reason read
+    from the proxy's answer."""
     load_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     """(seconds since t0, instance -> probed load)."""
 
@@ -425,6 +461,8 @@ async def run_schedule(
             counts.ok += 1
         elif result.outcome == Outcome.SHED:
             counts.shed += 1
+            if not arrival.warmup:  # like every other figure: the measured window only
+                rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
         else:
             counts.error += 1
             rec.errors[f"{result.status} {result.error}"] += 1

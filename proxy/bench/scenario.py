@@ -8,6 +8,15 @@ arrivals and a slow server cannot thin out the load (no coordinated omission).
 Arrivals per class form a homogeneous Poisson process: the count over the horizon ``T`` is
 ``Poisson(rate * T)`` and, given the count, the times are independent uniforms on ``[0, T)``.
 That is the textbook construction of a Poisson process and needs no loop over gaps.
+
+Two extensions shape the work, not only the rate:
+
+- a size bucket may have several ``rows`` (input shape ``[rows, tokens]``): a request of 4 rows
+  of 512 tokens fills 4 of the model's ``max_batch_size`` rows and pads its batch to 512;
+- a class may have ``bursts``: ``count`` requests dropped at once (or spread over
+  ``spread_s``) ``at_s`` seconds into the measured window, optionally repeated ``every_s``, on
+  top of its Poisson arrivals (an offline evaluation job filling the fleet). Bursts are part of
+  the schedule built in advance, like everything else.
 """
 
 from __future__ import annotations
@@ -32,8 +41,13 @@ class SizeBucket:
 
     tokens: tuple[int, ...]
     weight: float = 1.0
+    rows: int = 1
+    """Rows per request (input shape ``[rows, tokens]``); each counts against the model's
+    ``max_batch_size`` (16 for ``accel_sim``), which must hold it."""
 
     def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"rows must be >= 1, got {self.rows}")
         if len(self.tokens) != 2:
             raise ValueError(f"tokens must be [lo, hi], got {list(self.tokens)}")
         lo, hi = self.tokens
@@ -52,6 +66,44 @@ class SizeBucket:
 
 
 @dataclass(frozen=True)
+class Burst:
+    """``count`` requests of the class at ``at_s`` seconds into the measured window.
+
+    With ``spread_s`` > 0 their times are uniform on ``[at_s, at_s + spread_s)``; with
+    ``every_s`` the burst repeats at ``at_s + k * every_s`` while that is inside the measured
+    window. ``count`` scales with the load factor (:meth:`Scenario.scaled`).
+    """
+
+    at_s: float
+    count: int
+    spread_s: float = 0.0
+    every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.at_s >= 0:
+            raise ValueError(f"at_s must be >= 0, got {self.at_s}")
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+        if not self.spread_s >= 0:
+            raise ValueError(f"spread_s must be >= 0, got {self.spread_s}")
+        if self.every_s is not None and not self.every_s > 0:
+            raise ValueError(f"every_s must be > 0 or null, got {self.every_s}")
+
+    def starts(self, duration_s: float) -> list[float]:
+        """Start times of the burst's occurrences, seconds into the measured window."""
+        if self.at_s >= duration_s:
+            return []
+        if self.every_s is None:
+            return [self.at_s]
+        n = int(np.ceil((duration_s - self.at_s) / self.every_s))
+        return [
+            self.at_s + k * self.every_s
+            for k in range(n)
+            if self.at_s + k * self.every_s < duration_s
+        ]
+
+
+@dataclass(frozen=True)
 class ClassSpec:
     """One traffic class: how often it arrives, how big its requests are, how it is tagged."""
 
@@ -64,6 +116,8 @@ class ClassSpec:
     """Sent as ``Authorization: Bearer <key>`` so the proxy can classify the request."""
     sessions: int = 0
     """Number of distinct session ids (header ``x-session-id``); 0 sends none."""
+    bursts: tuple[Burst, ...] = ()
+    """Requests dropped at once on top of the Poisson arrivals (see :class:`Burst`)."""
 
     def __post_init__(self) -> None:
         if not self.rate_rps >= 0:
@@ -81,6 +135,14 @@ class ClassSpec:
     def mean_tokens(self) -> float:
         total = sum(b.weight for b in self.sizes)
         return sum(b.weight * (b.lo + b.hi) / 2 for b in self.sizes) / total
+
+    def burst_requests(self, duration_s: float) -> int:
+        """Requests the bursts add over a measured window of ``duration_s``."""
+        return sum(b.count * len(b.starts(duration_s)) for b in self.bursts)
+
+    def mean_rate_rps(self, duration_s: float) -> float:
+        """Poisson rate plus the bursts' requests averaged over the measured window."""
+        return self.rate_rps + self.burst_requests(duration_s) / duration_s
 
 
 @dataclass(frozen=True)
@@ -145,12 +207,23 @@ class Scenario:
     def class_names(self) -> tuple[str, ...]:
         return tuple(self.classes)
 
+    @property
+    def offered_rps(self) -> float:
+        """Every class's mean rate over the measured window, bursts included."""
+        return sum(c.mean_rate_rps(self.duration_s) for c in self.classes.values())
+
     def scaled(self, factor: float) -> Scenario:
         """The same scenario with every class's rate multiplied (for load sweeps)."""
         if not factor > 0:
             raise ValueError(f"load factor must be > 0, got {factor}")
         classes = {
-            name: dataclasses.replace(spec, rate_rps=spec.rate_rps * factor)
+            name: dataclasses.replace(
+                spec,
+                rate_rps=spec.rate_rps * factor,
+                bursts=tuple(
+                    dataclasses.replace(b, count=round(b.count * factor)) for b in spec.bursts
+                ),
+            )
             for name, spec in self.classes.items()
         }
         return dataclasses.replace(self, classes=MappingProxyType(classes))
@@ -167,7 +240,11 @@ class Scenario:
             "classes": {
                 name: {
                     "rate_rps": c.rate_rps,
-                    "sizes": [{"tokens": list(b.tokens), "weight": b.weight} for b in c.sizes],
+                    "sizes": [
+                        {"tokens": list(b.tokens), "weight": b.weight, "rows": b.rows}
+                        for b in c.sizes
+                    ],
+                    "bursts": [dataclasses.asdict(b) for b in c.bursts],
                     "triton_priority": c.triton_priority,
                     "slo_p99_ms": c.slo_p99_ms,
                     "api_key": c.api_key,
@@ -201,6 +278,9 @@ class Arrival:
     tokens: int
     session: str | None
     warmup: bool
+    rows: int = 1
+    burst: bool = False
+    """Part of a burst (not of the class's Poisson arrivals)."""
 
 
 def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival]:
@@ -209,30 +289,52 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
     times: list[NDArray[np.float64]] = []
     cls_idx: list[NDArray[np.int64]] = []
     tokens: list[NDArray[np.int64]] = []
+    rows: list[NDArray[np.int64]] = []
     sessions: list[NDArray[np.int64]] = []
+    burst: list[NDArray[np.bool_]] = []
     names = scenario.class_names
     for k, name in enumerate(names):
         spec = scenario.classes[name]
         n = int(rng.poisson(spec.rate_rps * horizon))
-        times.append(rng.uniform(0.0, horizon, n))
-        cls_idx.append(np.full(n, k, dtype=np.int64))
-        tokens.append(_draw_sizes(spec.sizes, n, rng))
+        t = rng.uniform(0.0, horizon, n)
+        in_burst = np.zeros(n, dtype=bool)
+        for b in spec.bursts:
+            for start in b.starts(scenario.duration_s):
+                at = scenario.warmup_s + start
+                bt = (
+                    at + rng.uniform(0.0, b.spread_s, b.count)
+                    if b.spread_s
+                    else np.full(b.count, at)
+                )
+                t = np.concatenate([t, np.minimum(bt, np.nextafter(horizon, 0.0))])
+                in_burst = np.concatenate([in_burst, np.ones(b.count, dtype=bool)])
+        m = t.size
+        times.append(t)
+        cls_idx.append(np.full(m, k, dtype=np.int64))
+        tok, row = _draw_sizes(spec.sizes, m, rng)
+        tokens.append(tok)
+        rows.append(row)
         sessions.append(
-            rng.integers(0, spec.sessions, n) if spec.sessions else np.full(n, -1, np.int64)
+            rng.integers(0, spec.sessions, m) if spec.sessions else np.full(m, -1, np.int64)
         )
+        burst.append(in_burst)
     t = np.concatenate(times)
     c = np.concatenate(cls_idx)
-    tok = np.concatenate(tokens)
+    tk = np.concatenate(tokens)
+    rw = np.concatenate(rows)
     ses = np.concatenate(sessions)
-    order = np.lexsort((c, t))  # time first; class order breaks (measure-zero) ties
+    bu = np.concatenate(burst)
+    order = np.lexsort((c, t))  # time first; class order breaks ties (bursts share a time)
     return [
         Arrival(
             index=i,
             t=float(t[j]),
             cls=names[c[j]],
-            tokens=int(tok[j]),
+            tokens=int(tk[j]),
             session=f"{names[c[j]]}-{ses[j]}" if ses[j] >= 0 else None,
             warmup=bool(t[j] < scenario.warmup_s),
+            rows=int(rw[j]),
+            burst=bool(bu[j]),
         )
         for i, j in enumerate(order)
     ]
@@ -240,10 +342,12 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
 
 def _draw_sizes(
     buckets: tuple[SizeBucket, ...], n: int, rng: np.random.Generator
-) -> NDArray[np.int64]:
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Tokens and rows of ``n`` requests drawn from the weighted buckets."""
     weights = np.array([b.weight for b in buckets], dtype=float)
     which = rng.choice(len(buckets), size=n, p=weights / weights.sum())
     lo = np.array([b.lo for b in buckets], dtype=np.int64)[which]
     hi = np.array([b.hi for b in buckets], dtype=np.int64)[which]
     sizes: NDArray[np.int64] = rng.integers(lo, hi + 1)
-    return sizes
+    rows: NDArray[np.int64] = np.array([b.rows for b in buckets], dtype=np.int64)[which]
+    return sizes, rows

@@ -38,9 +38,11 @@ from proxy.stats.window import WindowedQuantiles
 
 @dataclass(frozen=True)
 class AdaptiveConcurrencyConfig:
-    """``scheduling.adaptive_concurrency`` in the policy file."""
+    """``scheduling.adaptive_concurrency`` in the policy file. Off by default: with long
+    batch work on every instance the top class's time inside Triton stays above the target,
+    the law cuts slots to its floor and the queue moves into the proxy (docs/benchmarks.md)."""
 
-    enabled: bool = True
+    enabled: bool = False
     target_fraction: float = 0.5
     """Target time inside Triton as a fraction of the top class's ``slo_p99_ms``."""
     target_s: float | None = None

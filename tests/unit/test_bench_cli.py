@@ -60,7 +60,7 @@ def scenario(**classes: ClassSpec) -> Scenario:
 def test_bench_is_a_subcommand_with_defaults():
     args = build_parser().parse_args(["bench"])
     assert args.func is bench_cli.cmd_bench
-    assert Path(args.scenario) == MIXED
+    assert [Path(p) for p in args.scenario] == [MIXED]
     assert args.instances == 3
     assert args.arms == "default"
     assert args.scale == [1.0]
@@ -95,6 +95,7 @@ def test_bench_arguments_parse():
             "inprocess",
         ]
     )
+    assert args.scenario == ["benchmarks/smoke.yaml"]
     assert args.instances == 2 and args.repetitions == 5 and args.duration == 12.5
     assert args.scale == [0.5, 1.0, 1.5]
     assert args.out == "bench-results/x" and args.overhead
@@ -135,9 +136,8 @@ def test_scenario_overrides_and_helpers():
     assert bench_cli.scale_dir(out, 1.5, [1.0, 1.5]) == out / "scale-1.5"
     assert bench_cli.models_needed(sc, overhead=False) == ["accel_sim"]
     assert bench_cli.models_needed(sc, overhead=True) == ["accel_sim", "simple"]
-    assert bench_cli.estimate_seconds(sc, arms=2, scales=3, per_arm_s=3.0) == pytest.approx(
-        3 * 2 * 2 * (sc.horizon_s + 3.0)
-    )
+    estimate = bench_cli.estimate_sweep_seconds(sc, arms=2, scales=[1, 1, 1], per_arm_s=3.0)
+    assert estimate == pytest.approx(bench_cli.FLEET_START_S + 3 * 2 * 2 * (sc.horizon_s + 3.0))
 
 
 def test_device_note_names_the_emulated_device():
@@ -492,9 +492,12 @@ def test_publish_strips_histograms_and_work(tmp_path):
     (src / "report.txt").write_text("table")
     (src / "run.json").write_text('{"command": "x"}')
     (src / "other.bin").write_bytes(b"\0")
+    (src / "case" / "work" / "logs").mkdir(parents=True)  # several scenarios: OUT/<stem>/work
+    (src / "case" / "work" / "logs" / "t.txt").write_text("log")
+    (src / "case" / "sweep.txt").write_text("sweep")
     files = publish(src, tmp_path / "docs")
     rel = sorted(str(f.relative_to(tmp_path / "docs")) for f in files)
-    assert rel == ["report.txt", "run.json", "scale-1.5/report.json"]
+    assert rel == ["case/sweep.txt", "report.txt", "run.json", "scale-1.5/report.json"]
     doc = json.loads((tmp_path / "docs" / "scale-1.5" / "report.json").read_text())
     assert doc["published"] == DROPPED and "latency_us" not in json.dumps(doc)
     assert json.loads((tmp_path / "docs" / "run.json").read_text()) == {"command": "x"}

@@ -256,3 +256,27 @@ def test_json_encoding():
     assert "parameters" not in doc  # priority 0 = model default: nothing to send
     assert headers["Content-Type"] == "application/json"
     assert enc.path == "/v2/models/accel_sim/infer"
+
+
+async def test_sheds_are_counted_by_class_and_reason_in_the_measured_window_only():
+    ft = FakeTime()
+    late = "request for model 'm' of class 'rt' was shed: {}; retry after 1 s"
+    sched = [
+        Arrival(0, 0.0, "rt", 8, None, True),  # warm-up: not counted
+        Arrival(1, 0.1, "rt", 8, None, False),
+        Arrival(2, 0.2, "rt", 8, None, False),
+        Arrival(3, 0.3, "bulk", 8, None, False),
+    ]
+    why = {
+        0: "it would be answered after its class's slo_p99_ms",
+        1: "it would be answered after its class's slo_p99_ms",
+        2: "its class queue is full",
+        3: "its class queue is full",
+    }
+
+    def answer(a: Arrival) -> SendResult:
+        return SendResult(Outcome.SHED, 429, None, late.format(why[a.index]))
+
+    rec = await run_schedule(sched, ScriptedTarget(answer), clock=ft.clock, sleep=ft.sleep)
+    assert rec.sheds == {"rt late": 1, "rt queue_full": 1, "bulk queue_full": 1}
+    assert not rec.errors

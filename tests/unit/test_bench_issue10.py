@@ -1,0 +1,462 @@
+"""Issue 10's benchmark, pure parts: rows and bursts in the schedule, FIFO capacity,
+completions per window, shed reasons, proxy memory, goodput and the best baseline."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proxy import config as config_mod
+from proxy.bench import cli as bench_cli
+from proxy.bench.arms import (
+    CATALOG,
+    PRESETS,
+    PREVIOUS_CONCURRENCY,
+    parse_vm_rss_mib,
+    proxy_policy,
+    read_rss_mib,
+    resolve_arms,
+)
+from proxy.bench.capacity import fifo_batches, fifo_capacity
+from proxy.bench.results import (
+    PROXY_RSS,
+    ArmResult,
+    ClassStats,
+    Repetition,
+    Report,
+    rss_summary,
+    summarize_run,
+    window_counts,
+)
+from proxy.bench.runner import Outcome, RequestEncoder, RunRecords, shed_reason
+from proxy.bench.scenario import (
+    Arrival,
+    Burst,
+    build_schedule,
+    load_scenario,
+    parse_scenario,
+)
+from proxy.bench.sweep import best_baseline, goodput, goodput_ratio, sweep_summary
+from proxy.strict import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILY = sorted((ROOT / "benchmarks" / "issue10").glob("*.yaml"))
+
+
+class _Server:
+    def __init__(self, k: int) -> None:
+        self.name = f"t{k}"
+        self.http_url = f"http://127.0.0.1:{8000 + k}"
+        self.metrics_url = f"http://127.0.0.1:{9000 + k}/metrics"
+
+
+SERVERS = [_Server(k) for k in range(3)]
+
+
+# -- schedule: rows and bursts -------------------------------------------------------------
+
+BURSTY = {
+    "duration_s": 30,
+    "warmup_s": 5,
+    "seed": 3,
+    "classes": {
+        "rt": {"rate_rps": 50, "sizes": [{"tokens": [8, 64]}]},
+        "off": {
+            "rate_rps": 2,
+            "sizes": [{"tokens": [512, 512], "rows": 4, "weight": 3}, {"tokens": [8, 8]}],
+            "bursts": [{"at_s": 4, "count": 100, "every_s": 10}, {"at_s": 25, "count": 7}],
+        },
+    },
+}
+
+
+def test_rows_follow_their_bucket():
+    sc = parse_scenario(BURSTY)
+    sched = build_schedule(sc, np.random.default_rng(1))
+    off = [a for a in sched if a.cls == "off"]
+    assert all(a.rows == 4 for a in off if a.tokens == 512)
+    assert all(a.rows == 1 for a in off if a.tokens == 8)
+    assert all(a.rows == 1 for a in sched if a.cls == "rt")
+    share = sum(a.rows == 4 for a in off) / len(off)
+    assert abs(share - 0.75) < 5 * (0.75 * 0.25 / len(off)) ** 0.5
+
+
+def test_bursts_drop_their_requests_at_once_inside_the_measured_window():
+    sc = parse_scenario(BURSTY)
+    sched = build_schedule(sc, np.random.default_rng(1))
+    burst = [a for a in sched if a.burst]
+    assert all(a.cls == "off" for a in burst)
+    # at 4, 14, 24 s into the measured window (every 10 s while < 30) and one at 25 s
+    times = Counter(a.t for a in burst)
+    assert times == {9.0: 100, 19.0: 100, 29.0: 100, 30.0: 7}
+    assert not any(a.warmup for a in burst)
+    assert [a.index for a in sched] == list(range(len(sched)))
+    assert [a.t for a in sched] == sorted(a.t for a in sched)
+    # the Poisson part of the class is still there
+    assert 0 < sum(a.cls == "off" and not a.burst for a in sched) < 3 * 2 * sc.horizon_s
+    assert sc.classes["off"].burst_requests(sc.duration_s) == 307
+    assert sc.classes["off"].mean_rate_rps(sc.duration_s) == pytest.approx(2 + 307 / 30)
+    assert sc.offered_rps == pytest.approx(50 + 2 + 307 / 30)
+
+
+def test_burst_spread_and_scaling():
+    data = {
+        "duration_s": 10,
+        "classes": {"a": {"rate_rps": 0, "bursts": [{"at_s": 1, "count": 40, "spread_s": 2}]}},
+    }
+    sc = parse_scenario(data)
+    ts = [a.t for a in build_schedule(sc, np.random.default_rng(0))]
+    assert len(ts) == 40 and min(ts) >= 1.0 and max(ts) < 3.0 and len(set(ts)) == 40
+    doubled = sc.scaled(2.0)
+    assert doubled.classes["a"].bursts[0].count == 80
+    assert len(build_schedule(doubled, np.random.default_rng(0))) == 80
+    assert sc.scaled(0.25).classes["a"].bursts[0].count == 10
+
+
+def test_burst_starts():
+    assert Burst(at_s=2, count=1).starts(10) == [2]
+    assert Burst(at_s=2, count=1, every_s=4).starts(10) == [2, 6]
+    assert Burst(at_s=12, count=1).starts(10) == []
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"sizes": [{"tokens": [8, 8], "rows": 0}]}, "rows must be >= 1"),
+        ({"bursts": [{"at_s": -1, "count": 3}]}, "at_s"),
+        ({"bursts": [{"at_s": 1, "count": -3}]}, "count"),
+        ({"bursts": [{"at_s": 1, "count": 3, "every_s": 0}]}, "every_s"),
+        ({"bursts": [{"at": 1, "count": 3}]}, "did you mean 'at_s'"),
+    ],
+)
+def test_bad_rows_and_bursts_are_refused(patch, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_scenario({"duration_s": 5, "classes": {"a": {"rate_rps": 1, **patch}}})
+
+
+def test_encoder_sends_rows_as_the_batch_dimension():
+    sc = parse_scenario(BURSTY)
+    enc = RequestEncoder(sc.model, sc.classes, priority=False)
+    body, headers = enc.encode(Arrival(0, 0.0, "off", 512, None, False, rows=4))
+    size = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(body[:size])
+    assert header["inputs"][0]["shape"] == [4, 512]
+    assert len(body) - size == 4 * 512 * 8  # INT64
+    one, _ = enc.encode(Arrival(1, 0.0, "off", 512, None, False))
+    assert len(one) < len(body)
+
+
+# -- FIFO capacity -------------------------------------------------------------------------
+
+
+def test_fifo_batches_close_before_passing_max_rows():
+    rows = np.array([4, 4, 4, 4, 1, 4, 16, 1])
+    toks = np.array([512, 10, 10, 10, 20, 30, 5, 7])
+    assert fifo_batches(rows, toks, 16) == [(16, 512), (5, 30), (16, 5), (1, 7)]
+
+
+def test_fifo_capacity_of_a_uniform_mix_is_exact():
+    # every request 1 row of 100 tokens: batches of 16, 5 + 0.02 * 16 * 100 = 37 ms
+    sc = parse_scenario(
+        {
+            "duration_s": 10,
+            "model": {"parameters": {"base_ms": 5, "per_token_us": 20}},
+            "classes": {"a": {"rate_rps": 50, "sizes": [{"tokens": [100, 100]}]}},
+        }
+    )
+    cap = fifo_capacity(sc, servers=3, requests=1600)
+    assert cap.batch_ms == pytest.approx(37.0)
+    assert cap.requests_per_s == pytest.approx(3 * 16 / 0.037)
+    assert cap.sorted_requests_per_s == pytest.approx(cap.requests_per_s)
+    assert cap.rho == pytest.approx(50 / cap.requests_per_s)
+    assert cap.scale_for(1.0) * cap.rho == pytest.approx(1.0)
+
+
+def test_fifo_capacity_matches_mixed_yaml_comment():
+    cap = fifo_capacity(load_scenario(ROOT / "benchmarks" / "mixed.yaml"))
+    assert 345 < cap.requests_per_s < 370  # the file says 358 req/s
+    assert cap.sorted_requests_per_s > 3 * cap.requests_per_s
+
+
+@pytest.mark.parametrize("path", FAMILY, ids=lambda p: p.stem)
+def test_family_offers_its_fifo_capacity_at_scale_1(path):
+    sc = load_scenario(path)
+    cap = fifo_capacity(sc)
+    assert 0.95 < cap.rho < 1.05, cap.render(3)
+    assert f"{cap.requests_per_s:.0f} req/s" in path.read_text() or (
+        f"{cap.requests_per_s + 1:.0f} req/s" in path.read_text()
+        or f"{cap.requests_per_s - 1:.0f} req/s" in path.read_text()
+    ), "the file's comment quotes its FIFO capacity"
+    # throughput class without SLO, latency classes with one
+    assert sc.classes["offline"].slo_p99_ms is None
+    assert sc.classes["realtime"].slo_p99_ms is not None
+
+
+def test_family_has_the_issue_case():
+    names = {p.stem for p in FAMILY}
+    assert {"case", "burst"} <= names
+    case = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    mixed = load_scenario(ROOT / "benchmarks" / "mixed.yaml")
+    assert case.model.parameters["per_token_us"] < mixed.model.parameters["per_token_us"]
+    assert case.classes["realtime"].slo_p99_ms < mixed.classes["realtime"].slo_p99_ms
+    assert {b.rows for b in case.classes["offline"].sizes} == {4}
+    assert {b.tokens for b in case.classes["offline"].sizes} == {(512, 512)}
+    burst = load_scenario(ROOT / "benchmarks" / "issue10" / "burst.yaml")
+    assert burst.classes["offline"].bursts and burst.classes["offline"].rate_rps == 0
+
+
+# -- windows, sheds, memory ----------------------------------------------------------------
+
+
+def test_window_counts():
+    fin = np.array([100.0, 104.9, 105.0, 119.9, 120.0, 130.0, 131.0, np.nan, 99.9])
+    assert window_counts(fin, 100.0, 30.0, 10.0) == [3, 1, 1]  # 130 and later: past it
+    assert window_counts(fin, 100.0, 35.0, 10.0) == [3, 1, 1]  # a 5 s tail is left out
+    assert window_counts(fin, 100.0, 6.0, 10.0) == [3]  # shorter than a window: one of 6 s
+    assert window_counts(np.array([]), 0.0, 20.0) == [0, 0]
+
+
+def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
+    sc = parse_scenario({"duration_s": 20, "warmup_s": 2, "classes": {"off": {"rate_rps": 1}}})
+    # arrivals in the warm-up count too when they finish inside the measured period
+    plan = [(1.0, 3.0, Outcome.OK), (5.0, 1.0, Outcome.OK), (6.0, 1.0, Outcome.SHED)]
+    plan += [(13.0, 1.0, Outcome.OK), (20.0, 5.0, Outcome.OK)]
+    sched = [Arrival(i, t, "off", 8, None, t < 2) for i, (t, _, _) in enumerate(plan)]
+    rec = RunRecords.empty(len(plan), t0=50.0)
+    for i, (t, lat, out) in enumerate(plan):
+        rec.scheduled[i] = rec.started[i] = 50.0 + t
+        rec.finished[i] = 50.0 + t + lat
+        rec.outcome[i] = out
+    rec.sheds["off late"] = 1
+    rec.load_samples = [(0.5, {PROXY_RSS: 80.0}), (1.0, {PROXY_RSS: 95.0, "t0": 1}), (1.5, {})]
+    arm = summarize_run("x", sc, sched, rec)
+    # windows [52, 62) and [62, 72): finishes at 54, 56, 64 (25 s is past the period)
+    assert arm.windows["off"] == [2, 1]
+    assert arm.min_window("off") == 1
+    assert arm.sheds == {"off late": 1}
+    assert arm.proxy_rss_mib == {"first": 80.0, "max": 95.0, "last": 95.0}
+    probe = next(s for s in arm.loads if s.source == "probe")
+    assert PROXY_RSS not in probe.values  # memory is not an instance's load
+    assert json.dumps(arm.to_dict())
+
+
+def test_rss_parsing(tmp_path):
+    assert parse_vm_rss_mib("Name:\tpython\nVmRSS:\t  204800 kB\n") == 200.0
+    assert parse_vm_rss_mib("Name:\tzombie\n") is None
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text("VmRSS:\t1024 kB\n")
+    assert read_rss_mib(42, tmp_path) == 1.0
+    assert read_rss_mib(43, tmp_path) is None
+    assert rss_summary(RunRecords.empty(0, 0.0)) is None
+
+
+def test_shed_reason():
+    def msg(why: str) -> str:
+        return f"request for model 'accel_sim' of class 'realtime' was shed: {why}; retry after 1 s"
+
+    assert shed_reason(msg("it would be answered after its class's slo_p99_ms")) == "late"
+    assert shed_reason(msg("its class queue is full")) == "queue_full"
+    assert shed_reason(msg("it waited longer than its class's queue_timeout_s")) == "timeout"
+    assert shed_reason(msg("the proxy is overloaded and sheds the lowest classes first")) == (
+        "overload"
+    )
+    assert shed_reason(msg("something new")) == "something new"
+    assert shed_reason("too many requests") == "other"
+    assert shed_reason(None) == "unknown"
+
+
+# -- arms ----------------------------------------------------------------------------------
+
+
+def test_issue10_preset():
+    assert PRESETS["issue10"] == (
+        "round_robin",
+        "rr_priority",
+        "haproxy_leastconn",
+        "haproxy_random2",
+        "proxy_previous_best",
+        "proxy_class_aware",
+        "proxy_class_aware+adaptive",
+    )
+    plans = resolve_arms("issue10")
+    assert bench_cli.baseline_arms(plans) == [
+        "round_robin",
+        "rr_priority",
+        "haproxy_leastconn",
+        "haproxy_random2",
+    ]
+
+
+def test_previous_best_and_class_aware_policies():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    prev = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_previous_best"], sc), "<t>")
+    assert prev.routing.policy.name == "least_requests"
+    assert prev.scheduling is not None
+    assert prev.scheduling.concurrency == PREVIOUS_CONCURRENCY == 2 * 16
+    assert prev.scheduling.shed_late is False and not prev.scheduling.adaptive()
+    assert all(c.max_per_instance is None for c in prev.scheduling.classes.values())
+    new = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_class_aware"], sc), "<t>")
+    assert new.routing.policy.name == "expected_start"
+    assert new.scheduling is not None
+    assert new.scheduling.concurrency is None and not new.scheduling.adaptive()
+    assert new.scheduling.shed_late is False
+    caps = {n: c.max_per_instance for n, c in new.scheduling.classes.items()}
+    assert caps == {"realtime": None, "online": None, "offline": 1}
+    assert new.scheduling.default_class == "offline"
+    both = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_class_aware+adaptive"], sc), "<t>")
+    assert both.scheduling is not None
+    assert both.scheduling.adaptive() and both.scheduling.shed_late is True
+    assert both.routing.policy.name == "expected_start"
+
+
+def test_estimates():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    light = bench_cli.estimate_sweep_seconds(sc, arms=6, scales=[0.5], rho=1.0)
+    assert light == pytest.approx(bench_cli.FLEET_START_S + 3 * 6 * (sc.horizon_s + 6.0))
+    heavy = bench_cli.estimate_sweep_seconds(sc, arms=6, scales=[2.0], rho=1.0)
+    assert heavy == pytest.approx(light + 3 * 6 * sc.horizon_s)  # drains one horizon
+    assert bench_cli.scenario_dir(Path("o"), "b/case.yaml", ["b/case.yaml"]) == Path("o")
+    two = ["b/case.yaml", "b/burst.yaml"]
+    assert bench_cli.scenario_dir(Path("o"), "b/case.yaml", two) == Path("o/case")
+
+
+# -- sweep: best baseline, goodput ---------------------------------------------------------
+
+SC2 = parse_scenario(
+    {
+        "duration_s": 10,
+        "classes": {
+            "rt": {"rate_rps": 10, "slo_p99_ms": 100},
+            "on": {"rate_rps": 10, "slo_p99_ms": 500},
+            "off": {"rate_rps": 1},
+        },
+    }
+)
+
+
+def stats(ok_ms: list[float], slo: float | None, shed: int = 0) -> ClassStats:
+    c = ClassStats(slo_p99_ms=slo, duration_s=10.0)
+    c.scheduled = len(ok_ms) + shed
+    c.ok = len(ok_ms)
+    c.shed = shed
+    c.within_slo = sum(x <= slo for x in ok_ms) if slo is not None else 0
+    c.latency_us.record_many(np.array([round(x * 1000) for x in ok_ms], dtype=np.int64))
+    return c
+
+
+def report(arms: dict[str, tuple[float, float, int]], scale: float) -> Report:
+    """arms: name -> (rt latency ms, online latency ms, rt shed) for 100 requests each."""
+    rep = Repetition(index=0, seed=1, order=list(arms))
+    for name, (rt, on, shed) in arms.items():
+        a = ArmResult(name=name)
+        a.classes["rt"] = stats([rt] * 100, 100, shed)
+        a.classes["on"] = stats([on] * 100, 500)
+        a.classes["off"] = stats([1000.0] * 10, None)
+        a.windows = {"rt": [50, 50], "on": [50, 50], "off": [4, 6]}
+        rep.arms[name] = a
+    return Report(scenario=SC2.scaled(scale), arms=list(arms), baseline=None, repetitions=[rep])
+
+
+def test_best_baseline_is_the_lowest_top_class_p99_among_baselines():
+    r = report({"rr": (90, 10, 0), "hap": (50, 10, 0), "proxy": (5, 10, 0)}, 1.0)
+    assert best_baseline(r, ["rr", "hap"]) == "hap"
+    assert best_baseline(r, []) is None
+
+
+def sweep():
+    # rr passes x0.5 and x1; hap passes x0.5 only; proxy passes all but sheds nothing;
+    # shedder's P99 looks fine but 2% shed: attainment 98% fails.
+    loads = {
+        0.5: {"rr": (50, 100, 0), "hap": (40, 100, 0), "proxy": (20, 100, 0), "shedder": (9, 9, 2)},
+        1.0: {
+            "rr": (90, 400, 0),
+            "hap": (200, 100, 0),
+            "proxy": (30, 100, 0),
+            "shedder": (9, 9, 2),
+        },
+        2.0: {
+            "rr": (900, 400, 0),
+            "hap": (80, 100, 0),
+            "proxy": (60, 450, 0),
+            "shedder": (9, 9, 0),
+        },
+    }
+    return sweep_summary([(s, report(a, s)) for s, a in loads.items()], ["rr", "hap"])
+
+
+def test_goodput_is_the_highest_load_passing_with_every_lower_one():
+    g = sweep()["goodput"]
+    assert g["rr"]["scale"] == 1.0
+    assert g["hap"]["scale"] == 0.5  # its pass at x2 comes after a failure: not counted
+    assert g["proxy"]["scale"] == 2.0
+    assert g["shedder"]["scale"] is None  # sheds count as misses
+    assert g["rr"]["offered_rps"] == pytest.approx(21.0)
+    summary = sweep()
+    assert summary["goodput"]["proxy"]["passes"] == {"0.5": True, "1.0": True, "2.0": True}
+
+
+def test_goodput_ratio_bounds():
+    scales = [0.5, 1.0, 2.0]
+    assert goodput_ratio(1.0, 0.5, scales) == "2.00"
+    assert goodput_ratio(2.0, 1.0, scales) == ">= 2.00"
+    assert goodput_ratio(0.5, 2.0, scales) == "<= 0.25"
+    assert goodput_ratio(2.0, None, scales) == "> 4.00"
+    assert goodput_ratio(None, 1.0, scales) == "< 0.50"
+    assert goodput_ratio(None, None, scales).startswith("n/a")
+    assert goodput_ratio(2.0, 2.0, scales).startswith("n/a")
+
+
+def test_goodput_ratios_name_the_issue_references():
+    g = goodput(
+        {
+            "scales": [1.0, 2.0],
+            "loads": [{"scale": 1.0, "offered_rps": 10}, {"scale": 2.0, "offered_rps": 20}],
+            "points": [
+                {"arm": a, "scale": s, "slo_p99_ms": 100, "slo_attainment": att}
+                for a, s, att in [
+                    ("rr_priority", 1.0, 1.0),
+                    ("rr_priority", 2.0, 0.5),
+                    ("haproxy_leastconn", 1.0, 0.5),
+                    ("haproxy_leastconn", 2.0, 0.5),
+                    ("new", 1.0, 1.0),
+                    ("new", 2.0, 0.995),
+                ]
+            ],
+        }
+    )
+    assert g["new"]["vs_rr_priority"] == ">= 2.00"
+    assert g["new"]["vs_haproxy_leastconn"] == "> 2.00"
+    assert "vs_rr_priority" not in g["rr_priority"]
+
+
+def test_sweep_points_carry_ratios_windows_and_best_baseline():
+    summary = sweep()
+    loads = {x["scale"]: x for x in summary["loads"]}
+    assert loads[1.0]["best_baseline"] == "rr" and loads[0.5]["best_baseline"] == "hap"
+    p = next(
+        q for q in summary["points"] if (q["arm"], q["class"], q["scale"]) == ("proxy", "rt", 1.0)
+    )
+    assert p["p99_vs_best"] == pytest.approx(30 / 90, rel=0.01)
+    off = next(
+        q for q in summary["points"] if (q["arm"], q["class"], q["scale"]) == ("proxy", "off", 1.0)
+    )
+    assert off["window_min"] == 4 and off["window_offered"] == pytest.approx(10.0)
+    text = bench_cli.render_sweep(summary)
+    assert "Goodput" in text and "best baseline rr" in text
+    assert json.dumps(summary)
+
+
+def test_shed_reason_reads_every_message_the_proxy_sends():
+    from proxy.dispatch import _shed_error
+    from proxy.scheduling.gate import Shed
+    from proxy.scheduling.queues import ShedReason
+
+    for reason in ShedReason:
+        if reason is ShedReason.SHUTDOWN:
+            continue  # answered 503, not 429
+        err = _shed_error("accel_sim", Shed(reason, 1.0, "realtime"))
+        assert shed_reason(str(err)) == reason.value, str(err)
