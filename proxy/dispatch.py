@@ -123,8 +123,13 @@ class Dispatcher:
             result_label = exc.code.name.lower()
             raise
         finally:
+            elapsed = time.perf_counter() - began
             self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(call.model, klass).observe(time.perf_counter() - began)
+            self.telemetry.latency.labels(call.model, klass).observe(elapsed)
+            slo = self.classifier.slo_s(klass) if self.classifier is not None else None
+            if slo is not None:
+                met = elapsed <= slo and not result_label.startswith("shed_")
+                self.telemetry.slo.labels(call.model, klass, "met" if met else "missed").inc()
 
     async def _send(
         self, call: Call, priority: int | None, send: Send[T], stream: bool

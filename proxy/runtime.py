@@ -194,7 +194,16 @@ class Runtime:
                 for klass in gate.config.classes:
                     queued.add_metric([model, klass], gate.queued(klass))
                     running.add_metric([model, klass], gate.in_flight(klass))
-            yield from (queued, running, capacity)
+            slo = GaugeMetricFamily(
+                "triton_proxy_class_slo_seconds",
+                "The class's latency objective (slo_p99_ms) from the policy, in seconds",
+                labels=["class"],
+            )
+            classes = self.config.scheduling.classes if self.config.scheduling else {}
+            for klass, spec in classes.items():
+                if spec.slo_p99_ms is not None:
+                    slo.add_metric([klass], spec.slo_p99_ms / 1000.0)
+            yield from (queued, running, capacity, slo)
 
     # --- reload -------------------------------------------------------------------------
     async def apply(self, config: ProxyConfig) -> list[str]:

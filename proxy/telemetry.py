@@ -40,6 +40,13 @@ class Telemetry:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.slo = Counter(
+            "triton_proxy_slo_requests",
+            "Requests of classes with a latency SLO, by whether they met it (result: met, or "
+            "missed when slower than slo_p99_ms or shed); the SLO attainment and burn rates",
+            ["model", "class", "result"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "triton_proxy_queue_wait_seconds",
             "Time a request waited in its class queue in the proxy before dispatch",
