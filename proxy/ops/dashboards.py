@@ -178,9 +178,13 @@ def overview() -> Dashboard:
         *quantiles("triton_proxy_request_duration_seconds", "class", mc, (0.5, 0.95, 0.99)),
         Target('max by (class) (triton_proxy_class_slo_seconds{class=~"$class"})', "{{class}} SLO"),
     )
-    met = rate_sum("triton_proxy_slo_requests_total", "class", *mc, extra='result="met"')
+    slo = "triton_proxy_slo_requests_total"
+    met, missed = (sel(slo, *mc, extra=f'result="{r}"') for r in ("met", "missed"))
+    # "or missed * 0": a class whose every request missed reads 0%, not nothing.
     attainment = Target(
-        f"{met} / {rate_sum('triton_proxy_slo_requests_total', 'class', *mc)}", "{{class}}"
+        f"sum by (class) (rate({met}[{RATE}]) or rate({missed}[{RATE}]) * 0)"
+        f" / {rate_sum(slo, 'class', *mc)}",
+        "{{class}}",
     )
     return Dashboard(
         uid="triton-proxy-overview",
