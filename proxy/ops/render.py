@@ -95,7 +95,7 @@ def legend(fmt: str, labels: Mapping[str, str]) -> str:
     return text.strip() or ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-_UNITS = {"s": "seconds", "reqps": "req/s", "percentunit": "fraction", "bytes": "bytes"}
+_UNITS = {"reqps": "req/s", "percentunit": "fraction", "bytes": "bytes"}
 
 
 @dataclass
@@ -160,12 +160,13 @@ def draw(panels: Sequence[PanelData], title: str, out: Path, start: float, dpi: 
     import matplotlib.pyplot as plt
 
     bottom = max(p.grid["y"] + p.grid["h"] for p in panels)
-    unit_h = 0.42
-    fig = plt.figure(figsize=(18, bottom * unit_h + 0.8))
+    height = bottom * 0.4 + 0.8
+    fig = plt.figure(figsize=(16, height))
     fig.suptitle(title, fontsize=14, x=0.01, ha="left")
     grid = fig.add_gridspec(
-        bottom, 24, hspace=0.9, wspace=0.6, top=1 - 0.6 / (bottom * unit_h + 0.8)
-    )
+        bottom, 24, hspace=2.0, wspace=1.2, left=0.04, right=0.99, bottom=0.5 / height,
+        top=1 - 0.6 / height,
+    )  # fmt: skip
     for p in panels:
         g = p.grid
         if p.kind == "row":
@@ -191,12 +192,16 @@ def draw(panels: Sequence[PanelData], title: str, out: Path, start: float, dpi: 
                 transform=ax.transAxes,
             )
             continue
+        scale, unit = (1000.0, "ms") if p.unit == "s" else (1.0, _UNITS.get(p.unit, ""))
         for name, s in p.lines:
             pts = s.finite()
             style = "--" if p.dashed and re.fullmatch(p.dashed, name) else "-"
-            ax.plot([t - start for t, _ in pts], [v for _, v in pts], style, lw=1.2, label=name)
-        ax.set_xlabel("seconds", fontsize=7)
-        ax.set_ylabel(_UNITS.get(p.unit, ""), fontsize=7)
+            xs, ys = [t - start for t, _ in pts], [v * scale for _, v in pts]
+            ax.plot(xs, ys, style, lw=1.2, label=name)
+        ax.set_ylabel(unit, fontsize=7)
+        positive = [v for _, s in p.lines for _, v in s.finite() if v > 0]
+        if p.unit == "s" and positive and max(positive) / min(positive) > 20:
+            ax.set_yscale("log")  # tails and SLO lines span decades
         if p.lines:
             ax.legend(fontsize=6, loc="upper left", ncol=2 if len(p.lines) > 6 else 1)
         if p.notes:
@@ -211,6 +216,7 @@ def draw(panels: Sequence[PanelData], title: str, out: Path, start: float, dpi: 
                 transform=ax.transAxes,
                 wrap=True,
             )
+    fig.text(0.99, 0.005, "x: seconds from the start of the range", fontsize=7, ha="right")
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
 
