@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-port", type=int, default=8002)
     u.set_defaults(func=cmd_up)
 
+    from proxy.ops.canary_report import add_parser as add_canary
+
+    add_canary(sub)
+
     try:
         from proxy.bench.cli import add_parser as add_bench
     except ImportError:

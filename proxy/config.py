@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from proxy import strict
+from proxy.canary import CanaryConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
 from proxy.routing.config import RoutingConfig, check_policies
 from proxy.scheduling.config import SchedulingConfig
@@ -102,6 +103,8 @@ class ProxyConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig | None = None
     """Priority classes; without this section every request is dispatched at once."""
+    canary: CanaryConfig | None = None
+    """A second routing and/or scheduling configuration serving a share of the traffic."""
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -116,6 +119,8 @@ def parse(data: Any, source: str | None = None) -> ProxyConfig:
     config = strict.load(ProxyConfig, data, "", source)
     # Policy parameters are checked at load, not on a model's first request.
     check_policies(config.routing, "routing", source)
+    if config.canary is not None and config.canary.routing is not None:
+        check_policies(config.canary.routing, "canary.routing", source)
     return config
 
 

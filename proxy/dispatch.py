@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from proxy.canary import CANARY, MAIN, Splitter
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
@@ -49,6 +50,16 @@ class Placement(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Arm:
+    """What serves a request in one arm of a canary rollout: its routing and its classes."""
+
+    name: str
+    placement: Placement
+    admission: ModelGates | None
+    classifier: Classifier | None
+
+
 class RetryGate(Protocol):
     def record_request(self) -> None: ...
 
@@ -78,6 +89,18 @@ class Dispatcher:
         self.admission = admission
         self.classifier = classifier
         self.max_retries = max_retries
+        self.canary: Arm | None = None
+        """The canary arm; the attributes above are the main arm's."""
+        self.splitter: Splitter | None = None
+
+    def arm_for(self, call: Call) -> Arm:
+        if (
+            self.canary is not None
+            and self.splitter is not None
+            and self.splitter.arm(call.session_key) == CANARY
+        ):
+            return self.canary
+        return Arm(MAIN, self.placement, self.admission, self.classifier)
 
     def classify(self, call: Call) -> str:
         return self.classifier.classify(call.headers) if self.classifier else "default"
@@ -90,14 +113,15 @@ class Dispatcher:
         stream: bool = False,
         outcome: Callable[[T], str] = lambda _: "ok",
     ) -> T:
-        klass = self.classify(call)
+        arm = self.arm_for(call)
+        klass = arm.classifier.classify(call.headers) if arm.classifier else "default"
         began = time.perf_counter()
         instance_name = "-"
         result_label = "error"
         try:
             seq = call.params.sequence_id
             info = None
-            if self.admission is not None or isinstance(seq, str):
+            if arm.admission is not None or isinstance(seq, str):
                 info = await self.catalog.info(call.model)
             if info is not None and seq is not None:
                 problem = info.sequence_id_problem(seq)
@@ -107,12 +131,12 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None or info is None:
+            if arm.admission is None or info is None:
                 # Without classes, or for a model no ready instance knows (Triton answers).
-                instance, result = await self._send(call, None, send, stream)
+                instance, result = await self._send(call, arm, None, send, stream)
             else:
-                async with self.admission.admit(call.model, info, klass) as priority:
-                    instance, result = await self._send(call, priority, send, stream)
+                async with arm.admission.admit(call.model, info, klass) as priority:
+                    instance, result = await self._send(call, arm, priority, send, stream)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -124,20 +148,21 @@ class Dispatcher:
             raise
         finally:
             elapsed = time.perf_counter() - began
-            self.telemetry.requests.labels(call.model, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(call.model, klass).observe(elapsed)
-            slo = self.classifier.slo_s(klass) if self.classifier is not None else None
+            t = self.telemetry
+            t.requests.labels(call.model, klass, instance_name, result_label, arm.name).inc()
+            t.latency.labels(call.model, klass, arm.name).observe(elapsed)
+            slo = arm.classifier.slo_s(klass) if arm.classifier is not None else None
             if slo is not None:
                 met = elapsed <= slo and not result_label.startswith("shed_")
-                self.telemetry.slo.labels(call.model, klass, "met" if met else "missed").inc()
+                t.slo.labels(call.model, klass, "met" if met else "missed", arm.name).inc()
 
     async def _send(
-        self, call: Call, priority: int | None, send: Send[T], stream: bool
+        self, call: Call, arm: Arm, priority: int | None, send: Send[T], stream: bool
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
         while True:
-            instance = self._place(call, frozenset(tried))
+            instance = self._place(call, arm.placement, frozenset(tried))
             try:
                 with self.fleet.track(instance, call.model, stream=stream):
                     result = await send(instance, priority)
@@ -203,7 +228,7 @@ class Dispatcher:
     def _continues_sequence(self, call: Call) -> bool:
         return call.params.sequence_id is not None and not call.params.sequence_start
 
-    def _place(self, call: Call, exclude: frozenset[str]) -> Instance:
+    def _place(self, call: Call, placement: Placement, exclude: frozenset[str]) -> Instance:
         seq = call.params.sequence_id
         if seq is not None and not call.params.sequence_start:
             name = self.affinity.lookup(call.model, seq)
@@ -212,7 +237,7 @@ class Dispatcher:
                 if instance.healthy:
                     return instance
         request = RouteRequest(model=call.model, session_key=call.session_key, cost=call.cost)
-        picked = self.placement.pick(request, exclude)
+        picked = placement.pick(request, exclude)
         if picked is None:
             down = ", ".join(
                 f"{i.name}: {i.ejected_reason or 'not ready'}"

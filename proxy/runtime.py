@@ -12,9 +12,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from proxy.canary import CANARY, MAIN, Splitter
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
-from proxy.dispatch import Dispatcher
+from proxy.dispatch import Arm, Dispatcher
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.grpc_upstream import GrpcUpstreams
@@ -108,16 +109,72 @@ class Runtime:
             classifier=classifier,
             max_retries=config.routing.retry.max_retries,
         )
+        self.canary_router: Router | None = None
+        self.canary_gates: ModelGates | None = None
+        self.canary_placement = FleetPlacement(
+            self.fleet, self.upstreams, self._choose_canary, self.scraper.snapshot
+        )
+        self._set_canary(config)
 
     # --- wiring -------------------------------------------------------------------------
     def _choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        return self._decide(self.router, MAIN, candidates, request)
+
+    def _choose_canary(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        # A request that entered the canary arm just before a reload removed it is placed by
+        # the main router.
+        router = self.canary_router
+        if router is None:
+            return self._decide(self.router, MAIN, candidates, request)
+        return self._decide(router, CANARY, candidates, request)
+
+    def _decide(
+        self, router: Router, arm: str, candidates: Sequence[Candidate], request: RouteRequest
+    ) -> Candidate:
         began = time.perf_counter()
-        chosen = self.router.choose(request, candidates)
+        chosen = router.choose(request, candidates)
         elapsed = time.perf_counter() - began
-        name, _ = self.router.policy(request.model)
-        self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
+        name, _ = router.policy(request.model)
+        self.telemetry.decisions.labels(request.model, name, chosen.name, arm).inc()
         self.telemetry.decision_time.labels(name).observe(elapsed)
         return chosen
+
+    def _set_canary(self, config: ProxyConfig) -> None:
+        """Builds (or removes) the canary arm of ``config`` beside the main arm, which must be
+        in place already. Gates of a removed arm are dropped, not closed: what waits in them
+        still drains as their slots free up."""
+        canary = config.canary
+        d = self.dispatcher
+        if canary is None:
+            d.canary = d.splitter = None
+            self.canary_router = None
+            self.canary_gates = None
+            self._set_gate_shares(1.0, None)
+            return
+        stats = self.canary_router.stats if self.canary_router is not None else None
+        router = Router(canary.routing or config.routing, self.clock, self.rng, stats)
+        if canary.scheduling is None:
+            self.canary_gates = None
+            admission, classifier = self.gates, d.classifier
+            self._set_gate_shares(1.0, None)
+        else:
+            if self.canary_gates is None:
+                self.canary_gates = ModelGates(
+                    canary.scheduling, self.fleet, self.clock, self._gate_observer
+                )
+            else:
+                self.canary_gates.reconfigure(canary.scheduling)
+            admission, classifier = self.canary_gates, Classifier(canary.scheduling)
+            self._set_gate_shares(1.0 - canary.share, canary.share)
+        self.canary_router = router
+        d.canary = Arm(CANARY, self.canary_placement, admission, classifier)
+        d.splitter = Splitter(canary.share, canary.split, self.rng)
+
+    def _set_gate_shares(self, main: float, canary: float | None) -> None:
+        for gates, share in ((self.gates, main), (self.canary_gates, canary)):
+            if gates is not None and share is not None:
+                gates.share = share
+                gates.poke()
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
@@ -235,6 +292,7 @@ class Runtime:
         d = self.dispatcher
         d.admission, d.classifier = self.gates, classifier
         d.retries, d.max_retries = router.retry_budget, config.routing.retry.max_retries
+        self._set_canary(config)
         self.config = config
         return restart_only
 
@@ -244,8 +302,9 @@ class Runtime:
         await self.scraper.start()
 
     async def stop(self) -> None:
-        if self.gates is not None:
-            self.gates.close()
+        for gates in (self.gates, self.canary_gates):
+            if gates is not None:
+                gates.close()
         await self.scraper.stop()
         await self.health.stop()
         await self.upstreams.close()

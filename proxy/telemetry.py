@@ -29,14 +29,14 @@ class Telemetry:
         r = self.registry
         self.requests = Counter(
             "triton_proxy_requests",
-            "Requests answered, by model, class, instance and outcome",
-            ["model", "class", "instance", "outcome"],
+            "Requests answered, by model, class, instance, outcome and canary arm",
+            ["model", "class", "instance", "outcome", "arm"],
             registry=r,
         )
         self.latency = Histogram(
             "triton_proxy_request_duration_seconds",
-            "Time from arrival at the proxy to the last response byte, by model and class",
-            ["model", "class"],
+            "Time from arrival at the proxy to the last response byte, by model, class and arm",
+            ["model", "class", "arm"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -44,7 +44,7 @@ class Telemetry:
             "triton_proxy_slo_requests",
             "Requests of classes with a latency SLO, by whether they met it (result: met, or "
             "missed when slower than slo_p99_ms or shed); the SLO attainment and burn rates",
-            ["model", "class", "result"],
+            ["model", "class", "result", "arm"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -62,8 +62,8 @@ class Telemetry:
         )
         self.decisions = Counter(
             "triton_proxy_routing_decisions",
-            "Routing decisions, by model, policy and chosen instance",
-            ["model", "policy", "instance"],
+            "Routing decisions, by model, policy, chosen instance and arm",
+            ["model", "policy", "instance", "arm"],
             registry=r,
         )
         self.decision_time = Histogram(

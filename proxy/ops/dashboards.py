@@ -257,6 +257,37 @@ def overview() -> Dashboard:
                     ),
                 ),
             ),
+            Row(
+                "Canary arms (policy canary: section; only main without one)",
+                (
+                    Panel(
+                        "P99 by class and arm",
+                        (
+                            Target(
+                                quantile(
+                                    0.99, "triton_proxy_request_duration_seconds", "class, arm", *mc
+                                ),
+                                "{{class}} {{arm}}",
+                            ),
+                        ),
+                        unit="s",
+                        width=12,
+                        description="`triton-proxy canary --window 30m` prints these side by "
+                        "side with a bootstrap interval of the difference.",
+                    ),
+                    Panel(
+                        "Throughput by arm and outcome",
+                        (
+                            Target(
+                                rate_sum("triton_proxy_requests_total", "arm, outcome", *mc),
+                                "{{arm}} {{outcome}}",
+                            ),
+                        ),
+                        unit="reqps",
+                        width=12,
+                    ),
+                ),
+            ),
         ),
     )
 

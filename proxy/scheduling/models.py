@@ -51,11 +51,16 @@ class ModelGates:
         self.clock = clock
         self.observer = observer
         self.gates: dict[str, Gate] = {}
+        self.share = 1.0
+        """Fraction of the dispatch slots these gates own (a canary arm's gates split them)."""
         fleet.listeners.append(lambda _instance: self.poke())
 
     def capacity(self, info: ModelInfo) -> int:
         per_instance = self.config.instance_concurrency(info.max_batch_size, info.model_instances)
-        return len(self.fleet.healthy()) * per_instance
+        slots = len(self.fleet.healthy()) * per_instance
+        if self.share >= 1.0 or slots == 0:
+            return slots
+        return max(1, int(slots * self.share))
 
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
