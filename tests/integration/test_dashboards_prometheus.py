@@ -3,8 +3,9 @@
 Prometheus (Debian's package, run directly on a free port with a temporary config and storage)
 scrapes the proxy and the three local Triton servers every second, with the job names and
 label handling of docker/prometheus/prometheus.yml, and loads docker/prometheus/alerts.yml. The
-proxy runs with three classes (one shed when its queue is full, one when it waits at all) and
-a fourth instance that does not exist, so that ejections and retries happen. Traffic of every
+proxy runs with three classes (one shed when its queue is full, one when it waits at all), a
+canary arm on another routing policy, and a fourth instance that does not exist, so that
+ejections and retries happen. Traffic of every
 class then flows for a few seconds, and every query of every panel of every dashboard is
 evaluated through Prometheus' HTTP API: each must parse and return data, except the explicit
 lists in proxy/ops/dashboards.py, which are reported (pending: issues 10/11; GPU only), not
@@ -46,6 +47,8 @@ RATE = "10s"  # $__rate_interval: ten 1-second scrapes
 RT_KEY, OFF_KEY = "prom-rt-key", "prom-off-key"
 POLICY: dict[str, Any] = {
     "health": {"interval_s": 0.5, "backoff_initial_s": 0.5, "backoff_max_s": 2},
+    # A canary arm on another routing policy, so the per-arm panels have both arms.
+    "canary": {"share": 0.3, "routing": {"policy": {"name": "round_robin"}}},
     "scheduling": {
         "default_class": "online",
         "concurrency": 2,  # 6 slots over 3 instances: bursts queue in the proxy
@@ -261,6 +264,12 @@ def test_every_panel_query_parses_and_returns_data(proof: Proof, name: str) -> N
     assert not empty, "panels without data:\n" + "\n".join(empty)
     if name == "control":
         assert pending, "the control dashboard is built on the pending metrics of issues 10/11"
+
+
+def test_both_canary_arms_are_on_the_dashboards(proof: Proof) -> None:
+    expr = 'sum by (arm, policy) (triton_proxy_routing_decisions_total{model="accel_sim"})'
+    seen = {(r["metric"]["arm"], r["metric"]["policy"]) for r in proof.prom.query(expr)}
+    assert seen == {("main", "least_requests"), ("canary", "round_robin")}
 
 
 def test_recording_rules_evaluate_on_the_real_series(proof: Proof) -> None:
