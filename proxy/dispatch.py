@@ -102,8 +102,9 @@ class Dispatcher:
             return self.canary
         return Arm(MAIN, self.placement, self.admission, self.classifier)
 
-    def classify(self, call: Call) -> str:
-        return self.classifier.classify(call.headers) if self.classifier else "default"
+    @staticmethod
+    def classify(arm: Arm, call: Call) -> str:
+        return arm.classifier.classify(call.headers) if arm.classifier else "default"
 
     async def run(
         self,
@@ -114,7 +115,7 @@ class Dispatcher:
         outcome: Callable[[T], str] = lambda _: "ok",
     ) -> T:
         arm = self.arm_for(call)
-        klass = arm.classifier.classify(call.headers) if arm.classifier else "default"
+        klass = self.classify(arm, call)
         began = time.perf_counter()
         instance_name = "-"
         result_label = "error"
