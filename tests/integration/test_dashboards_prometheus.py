@@ -35,8 +35,10 @@ import numpy as np
 import pytest
 import yaml
 
+from proxy.canary import CANARY, MAIN
 from proxy.local import TritonServer
 from proxy.ops import dashboards
+from proxy.ops.canary_report import format_report, report
 from proxy.ops.render import Prometheus, PromQLError, render, substitute
 from tests.integration.harness import ProxyThread, running_proxy
 
@@ -270,6 +272,18 @@ def test_both_canary_arms_are_on_the_dashboards(proof: Proof) -> None:
     expr = 'sum by (arm, policy) (triton_proxy_routing_decisions_total{model="accel_sim"})'
     seen = {(r["metric"]["arm"], r["metric"]["policy"]) for r in proof.prom.query(expr)}
     assert seen == {("main", "least_requests"), ("canary", "round_robin")}
+
+
+def test_canary_report_compares_the_arms_on_real_data(proof: Proof) -> None:
+    reports = report(proof.prom, "2m", "accel_sim", resamples=500)
+    assert {r.klass for r in reports} == {"realtime", "online", "offline"}
+    for r in reports:
+        assert all(sum(r.histograms[arm]) > 0 for arm in (MAIN, CANARY))
+        assert [d.q for d in r.differences] == [0.5, 0.95, 0.99]
+        assert all(d.low <= d.high and 0.0 <= d.p_canary_lower <= 1.0 for d in r.differences)
+    text = format_report(reports, "2m")
+    print(text)
+    assert "Δ P99" in text and "realtime" in text
 
 
 def test_recording_rules_evaluate_on_the_real_series(proof: Proof) -> None:
