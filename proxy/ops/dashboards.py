@@ -42,18 +42,24 @@ RATE = "$__rate_interval"
 
 PENDING_METRICS: dict[str, str] = {
     "triton_proxy_batching_window_seconds": (
-        "issue 11: current max_queue_delay of the model on the instance {model,instance}"
+        "issue 11: the window each instance runs for the model {model,instance}"
     ),
-    "triton_proxy_class_limit": "issue 11: the class-limits loop's limit {model,class}",
+    "triton_proxy_batching_window_target_seconds": (
+        "issue 11: the window the batching-window loop wants for the model {model}"
+    ),
+    "triton_proxy_class_limit": "issue 11: a class's share of the model's slots {model,class}",
     "triton_proxy_adaptive_concurrency": (
-        "issue 10: the adaptive concurrency limit per instance {model,instance}"
+        "issue 10: requests of the model the instance may hold {model,instance}"
     ),
     "triton_proxy_control_decisions_total": (
-        "issues 10/11: control decisions {loop,model,direction,reason}; direction is up, "
-        "down, hold or refused (a change the safety checks did not allow)"
+        "issues 10/11: changes made by the loops {loop,model,direction,reason}"
     ),
-    "triton_proxy_control_last_run_timestamp_seconds": (
-        "issues 10/11: unix time of each loop's last evaluation {loop,model}"
+    "triton_proxy_control_apply_failures_total": (
+        "issue 11: changes not applied on every instance (drain timeout, load error) {loop,model}"
+    ),
+    "triton_proxy_control_off_total": (
+        "issue 11: a loop gave up on a model {loop,model,reason}; reason refused = Triton is "
+        "not in explicit model control mode"
     ),
 }
 """Metrics the control dashboard and alerts use before the proxy exports them (issues 10, 11)."""
@@ -553,8 +559,9 @@ def control() -> Dashboard:
     return Dashboard(
         uid="triton-proxy-control",
         title="triton-proxy / Control loops",
-        description="The SLO control loops (issues 10 and 11). Panels built on metrics not "
-        "exported yet show no data: see PENDING_METRICS in proxy/ops/dashboards.py.",
+        description="The SLO control loops (issues 10 and 11), on the metric names main "
+        "exports. On a build without them the panels show no data: see PENDING_METRICS in "
+        "proxy/ops/dashboards.py.",
         variables=("model", "class", "instance"),
         rows=(
             Row(
@@ -612,24 +619,43 @@ def control() -> Dashboard:
                                 "{{loop}} {{direction}} {{reason}}",
                             ),
                         ),
-                        description="Pending: issues 10/11. refused: a change the safety "
-                        "checks (bounds, dwell, drain) did not allow.",
+                        description="Pending: issues 10/11.",
                     ),
                     Panel(
-                        "Seconds since each loop last ran",
+                        "Batching window: wanted against what each instance runs",
                         (
                             Target(
-                                "time() - "
-                                + agg(
-                                    "max",
-                                    "loop, model",
-                                    sel("triton_proxy_control_last_run_timestamp_seconds", "model"),
-                                ),
-                                "{{loop}} {{model}}",
+                                sel("triton_proxy_batching_window_target_seconds", "model"),
+                                "{{model}} target",
+                            ),
+                            Target(
+                                sel("triton_proxy_batching_window_seconds", "model", "instance"),
+                                "{{model}} {{instance}}",
                             ),
                         ),
                         unit="s",
-                        description="Pending: issues 10/11.",
+                        dashed=".* target$",
+                        description="A gap that lasts is a loop whose changes do not land "
+                        "(alert TritonProxyControlStuck).",
+                    ),
+                    Panel(
+                        "Changes refused or failed",
+                        (
+                            Target(
+                                "sum by (loop, model) (increase("
+                                f"{sel('triton_proxy_control_apply_failures_total', 'model')}"
+                                f"[{RATE}]))",
+                                "{{loop}} {{model}} apply failed",
+                            ),
+                            Target(
+                                "sum by (loop, model, reason) (increase("
+                                f"{sel('triton_proxy_control_off_total', 'model')}[{RATE}]))",
+                                "{{loop}} {{model}} off: {{reason}}",
+                            ),
+                        ),
+                        description="apply failed: a change that could not be applied on "
+                        "every instance; off: the loop gave up on the model (refused: Triton "
+                        "is not in explicit model control mode).",
                     ),
                 ),
             ),
