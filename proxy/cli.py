@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=_positive, default=1, help=WORKERS_HELP)
     u.set_defaults(func=cmd_up)
 
+    from proxy.ops.canary_report import add_parser as add_canary
+
+    add_canary(sub)
+
     try:
         from proxy.bench.cli import add_parser as add_bench
     except ImportError:

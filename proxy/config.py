@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from proxy import strict
+from proxy.canary import CanaryConfig
 from proxy.control.config import ControlConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
 from proxy.leadership import LeadershipConfig
@@ -122,6 +123,8 @@ class ProxyConfig:
     """The SLO feedback loops (class limits, batching window); all off by default."""
     leadership: LeadershipConfig = field(default_factory=LeadershipConfig)
     """Which replica may change the fleet's configuration (proxy.leadership)."""
+    canary: CanaryConfig | None = None
+    """A second routing and/or scheduling configuration serving a share of the traffic."""
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -136,6 +139,8 @@ def parse(data: Any, source: str | None = None) -> ProxyConfig:
     config = strict.load(ProxyConfig, data, "", source)
     # Policy parameters are checked at load, not on a model's first request.
     check_policies(config.routing, "routing", source)
+    if config.canary is not None and config.canary.routing is not None:
+        check_policies(config.canary.routing, "canary.routing", source)
     return config
 
 

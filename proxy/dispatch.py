@@ -19,8 +19,10 @@ import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
+from proxy.canary import CANARY, MAIN, Splitter
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
@@ -71,6 +73,25 @@ class Placement(Protocol):
     def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
         """The instance for ``request`` among healthy ones not in ``exclude``; None if none."""
         ...
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What serves a request in one arm of a canary rollout: its routing and its classes."""
+
+    name: str
+    placement: Placement
+    admission: ModelGates | None
+    classifier: Classifier | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placing:
+    """One request as placement sees it, how it counts in flight, and its arm's placement."""
+
+    request: RouteRequest
+    work: Work
+    placement: Placement
 
 
 class RetryGate(Protocol):
@@ -125,6 +146,9 @@ class Dispatcher:
         """Per-model request costs and service-time curves, learned from this traffic."""
         self.observer = observer
         """Told once about every finished request (telemetry and controllers subscribe)."""
+        self.canary: Arm | None = None
+        """The canary arm; the attributes above are the main arm's."""
+        self.splitter: Splitter | None = None
 
     def reconfigure(
         self,
@@ -140,8 +164,19 @@ class Dispatcher:
         self.retries = retries
         self.max_retries = max_retries
 
-    def classify(self, call: Call) -> str:
-        return self.classifier.classify(call.headers) if self.classifier else "default"
+    def arm_for(self, call: Call) -> Arm:
+        if (
+            self.canary is not None
+            and self.splitter is not None
+            and self.splitter.arm(call.session_key) == CANARY
+        ):
+            return self.canary
+        return Arm(MAIN, self.placement, self.admission, self.classifier)
+
+    def classify(self, call: Call, arm: Arm | None = None) -> str:
+        """The request's class in ``arm`` (the main arm when None)."""
+        classifier = arm.classifier if arm is not None else self.classifier
+        return classifier.classify(call.headers) if classifier else "default"
 
     async def run(
         self,
@@ -154,7 +189,8 @@ class Dispatcher:
     ) -> T:
         """Place and send one request. ``admit=False``: no class gate for the call itself
         (a gRPC stream, whose messages pass the gate one by one through :meth:`admitted`)."""
-        klass = self.classify(call)
+        arm = self.arm_for(call)
+        klass = self.classify(call, arm)
         began = time.perf_counter()
         # Until the model is known, its metric label is "other": a client inventing names
         # must not create label values (or routing state, or gates).
@@ -186,14 +222,14 @@ class Dispatcher:
                         f"refused by triton-proxy: {problem}",
                     )
             batch = info.max_batch_size if info is not None else 1
-            if self.admission is None or not admit or info is None:
-                placing = self._placing(call, klass, None, batch)
+            if arm.admission is None or not admit or info is None:
+                placing = self._placing(call, arm, klass, None, batch)
                 instance, result = await self._send(call, None, send, stream, placing, trace)
             else:
                 queued_at = time.perf_counter()
-                async with self.admission.admit(call.model, info, klass) as priority:
+                async with arm.admission.admit(call.model, info, klass) as priority:
                     trace.queue_wait_s = time.perf_counter() - queued_at
-                    placing = self._placing(call, klass, priority, batch)
+                    placing = self._placing(call, arm, klass, priority, batch)
                     instance, result = await self._send(
                         call, priority, send, stream, placing, trace
                     )
@@ -219,16 +255,18 @@ class Dispatcher:
                         cost=call.cost,
                         ran_alone=trace.alone,
                         at=self.fleet.clock.now(),
+                        arm=arm.name,
+                        slo_s=arm.classifier.slo_s(klass) if arm.classifier is not None else None,
                     )
                 )
 
     def _placing(
-        self, call: Call, klass: str, priority: int | None, batch: int
-    ) -> tuple[RouteRequest, Work]:
+        self, call: Call, arm: Arm, klass: str, priority: int | None, batch: int
+    ) -> Placing:
         """What placement needs to know about the request, and how to count it in flight."""
         cap = None
-        if self.admission is not None:
-            cls = self.admission.config.classes.get(klass)
+        if arm.admission is not None:
+            cls = arm.admission.config.classes.get(klass)
             cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
@@ -242,7 +280,7 @@ class Dispatcher:
             class_cap=cap,
             batch=max(1, batch),
         )
-        return request, Work(class_name=klass, level=level, long=long)
+        return Placing(request, Work(class_name=klass, level=level, long=long), arm.placement)
 
     async def _send(
         self,
@@ -250,14 +288,14 @@ class Dispatcher:
         priority: int | None,
         send: Send[T],
         stream: bool,
-        placing: tuple[RouteRequest, Work],
+        placing: Placing,
         trace: _Trace,
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
-        request, work = placing
+        request, work = placing.request, placing.work
         while True:
-            instance = self._place(call, request, frozenset(tried))
+            instance = self._place(call, placing, frozenset(tried))
             try:
                 # Ran alone: no other request of the model on the instance when it was sent
                 # nor when it finished, so its time is one batch of itself (the cost model).
@@ -400,7 +438,7 @@ class Dispatcher:
         info = await self.catalog.info(call.model)
         return info is not None and not info.decoupled
 
-    def _place(self, call: Call, request: RouteRequest, exclude: frozenset[str]) -> Instance:
+    def _place(self, call: Call, placing: Placing, exclude: frozenset[str]) -> Instance:
         seq = call.params.sequence_id
         if seq is not None and not call.params.sequence_start:
             name = self.affinity.lookup(call.model, seq)
@@ -419,7 +457,7 @@ class Dispatcher:
                     f"by triton-proxy: the Triton instance holding the sequence {why}; its "
                     "state is gone, start the sequence again (sequence_start)",
                 )
-        picked = self.placement.pick(request, exclude)
+        picked = placing.placement.pick(placing.request, exclude)
         if picked is None:
             down = ", ".join(
                 f"{i.name}: {i.ejected_reason or 'not ready'}"

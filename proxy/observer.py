@@ -31,6 +31,10 @@ class RequestRecord:
     """No other request of the model was in flight on the instance while it ran."""
     at: float
     """Clock time when it finished."""
+    arm: str = "main"
+    """The canary arm that served it (``main`` or ``canary``)."""
+    slo_s: float | None = None
+    """Its class's latency objective in that arm (``slo_p99_ms``), if the class has one."""
 
 
 class RequestObserver(Protocol):

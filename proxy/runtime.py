@@ -13,11 +13,12 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.budget import ByteBudget
+from proxy.canary import CANARY, MAIN, Splitter
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
 from proxy.control.apply import WindowApplier
 from proxy.control.loops import ControlLoops
-from proxy.dispatch import Dispatcher
+from proxy.dispatch import Arm, Dispatcher
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.grpc_upstream import GrpcUpstreams
@@ -172,6 +173,16 @@ class Runtime:
             on_lost=self.upstreams.reset,
             observer=self.observers,
         )
+        self.canary_router: Router | None = None
+        self.canary_gates: ModelGates | None = None
+        self.canary_placement = FleetPlacement(
+            self.fleet,
+            self.upstreams,
+            self._choose_canary,
+            self.scraper.snapshot,
+            self._canary_slot_limit,
+        )
+        self._set_canary(config)
 
     # --- wiring -------------------------------------------------------------------------
     def _scheduling(self, config: ProxyConfig) -> SchedulingConfig:
@@ -183,14 +194,70 @@ class Runtime:
         # self.router, read per call: a reload swaps it.
         return self.router.choose(request, candidates)
 
+    def _choose_canary(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        # A request that entered the canary arm just before a reload removed it is placed by
+        # the main router.
+        router = self.canary_router
+        return (router or self.router).choose(request, candidates)
+
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
-        self.telemetry.decisions_by.get(model, policy, instance).inc()
+        self._decided_in(MAIN, model, policy, instance, seconds)
+
+    def _decided_canary(self, model: str, policy: str, instance: str, seconds: float) -> None:
+        self._decided_in(CANARY, model, policy, instance, seconds)
+
+    def _decided_in(self, arm: str, model: str, policy: str, instance: str, seconds: float) -> None:
+        self.telemetry.decisions_by.get(model, policy, instance, arm).inc()
         self.telemetry.decision_time_by.get(policy).observe(seconds)
 
     def is_leader(self) -> bool:
         """Whether this process may change the fleet's configuration (batching windows):
         the leader worker of the leader replica (proxy.leadership, proxy.workers)."""
         return self.leadership.is_leader()
+
+    def _set_canary(self, config: ProxyConfig) -> None:
+        """Builds (or removes) the canary arm of ``config`` beside the main arm, which must be
+        in place already. Gates of a removed arm are dropped, not closed: what waits in them
+        still drains as their slots free up."""
+        canary = config.canary
+        d = self.dispatcher
+        if canary is None:
+            d.canary = d.splitter = None
+            self.canary_router = None
+            self.canary_gates = None
+            self._set_gate_shares(1.0, None)
+            return
+        stats = self.canary_router.stats if self.canary_router is not None else None
+        router = Router(
+            canary.routing or config.routing,
+            self.clock,
+            self.rng,
+            stats,
+            observer=self._decided_canary,
+        )
+        if canary.scheduling is None:
+            self.canary_gates = None
+            admission, classifier = self.gates, d.classifier
+            self._set_gate_shares(1.0, None)
+        else:
+            scheduling = per_worker_scheduling(canary.scheduling, self.workers)
+            if self.canary_gates is None:
+                self.canary_gates = ModelGates(
+                    scheduling, self.fleet, self.clock, self._gate_observer, workers=self.workers
+                )
+            else:
+                self.canary_gates.reconfigure(scheduling)
+            admission, classifier = self.canary_gates, Classifier(canary.scheduling)
+            self._set_gate_shares(1.0 - canary.share, canary.share)
+        self.canary_router = router
+        d.canary = Arm(CANARY, self.canary_placement, admission, classifier)
+        d.splitter = Splitter(canary.share, canary.split, self.rng)
+
+    def _set_gate_shares(self, main: float, canary: float | None) -> None:
+        for gates, share in ((self.gates, main), (self.canary_gates, canary)):
+            if gates is not None and share is not None:
+                gates.share = share
+                gates.poke()
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
@@ -203,6 +270,10 @@ class Runtime:
 
     def _slot_limit(self, instance: str, model: str) -> int | None:
         return self.gates.slot_limit(instance, model) if self.gates is not None else None
+
+    def _canary_slot_limit(self, instance: str, model: str) -> int | None:
+        gates = self.canary_gates or self.gates
+        return gates.slot_limit(instance, model) if gates is not None else None
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None
@@ -254,6 +325,7 @@ class Runtime:
             max_retries=config.routing.retry.max_retries,
         )
         self.control.reconfigure(config.control, config.scheduling)
+        self._set_canary(config)
         self.config = config
         self.private_headers = private_headers(config)
         return restart_only
@@ -291,8 +363,9 @@ class Runtime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publisher
             self._publisher = None
-        if self.gates is not None:
-            self.gates.close()
+        for gates in (self.gates, self.canary_gates):
+            if gates is not None:
+                gates.close()
         await self.catalog.close()
         await self.scraper.stop()
         await self.health.stop()

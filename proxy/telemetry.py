@@ -64,15 +64,22 @@ class Telemetry:
         r = self.registry
         self.requests = Counter(
             "triton_proxy_requests",
-            "Requests answered, by model, class, instance and outcome",
-            ["model", "class", "instance", "outcome"],
+            "Requests answered, by model, class, instance, outcome and canary arm",
+            ["model", "class", "instance", "outcome", "arm"],
             registry=r,
         )
         self.latency = Histogram(
             "triton_proxy_request_duration_seconds",
-            "Time from arrival at the proxy to the last response byte, by model and class",
-            ["model", "class"],
+            "Time from arrival at the proxy to the last response byte, by model, class and arm",
+            ["model", "class", "arm"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.slo = Counter(
+            "triton_proxy_slo_requests",
+            "Requests of classes with a latency SLO, by whether they met it (result: met, or "
+            "missed when slower than slo_p99_ms or shed); the SLO attainment and burn rates",
+            ["model", "class", "result", "arm"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -90,8 +97,8 @@ class Telemetry:
         )
         self.decisions = Counter(
             "triton_proxy_routing_decisions",
-            "Routing decisions, by model, policy and chosen instance",
-            ["model", "policy", "instance"],
+            "Routing decisions, by model, policy, chosen instance and arm",
+            ["model", "policy", "instance", "arm"],
             registry=r,
         )
         self.decision_time = Histogram(
@@ -146,6 +153,7 @@ class Telemetry:
         # Children used on every request, looked up once per label combination.
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)
+        self.slo_by = Children(self.slo)
         self.queue_wait_by = Children(self.queue_wait)
         self.decisions_by = Children(self.decisions)
         self.decision_time_by = Children(self.decision_time)
@@ -168,8 +176,12 @@ class RequestTelemetry:
 
     def on_request(self, record: RequestRecord) -> None:
         t = self.t
-        t.requests_by.get(record.model, record.class_name, record.instance, record.outcome).inc()
-        t.latency_by.get(record.model, record.class_name).observe(record.latency_s)
+        r = record
+        t.requests_by.get(r.model, r.class_name, r.instance, r.outcome, r.arm).inc()
+        t.latency_by.get(r.model, r.class_name, r.arm).observe(r.latency_s)
+        if r.slo_s is not None:
+            met = r.latency_s <= r.slo_s and not r.outcome.startswith("shed_")
+            t.slo_by.get(r.model, r.class_name, "met" if met else "missed", r.arm).inc()
 
 
 class _FleetCollector(Collector):
@@ -297,7 +309,16 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     if rt.gates.adaptive is not None:
         for (instance, model), limit in rt.gates.adaptive.current().items():
             adaptive.add_metric([model, instance], limit)
-    yield from (queued, running, capacity, adaptive)
+    slo = GaugeMetricFamily(
+        "triton_proxy_class_slo_seconds",
+        "The class's latency objective (slo_p99_ms) from the policy, in seconds",
+        labels=["class"],
+    )
+    classes = rt.config.scheduling.classes if rt.config.scheduling else {}
+    for klass, spec in classes.items():
+        if spec.slo_p99_ms is not None:
+            slo.add_metric([klass], spec.slo_p99_ms / 1000.0)
+    yield from (queued, running, capacity, adaptive, slo)
 
 
 def _control(rt: Runtime) -> Iterator[Metric]:

@@ -88,3 +88,10 @@ class Classifier:
             if wanted is not None and wanted.strip() in self._config.classes:
                 return wanted.strip()
         return grant.class_name
+
+    def slo_s(self, class_name: str) -> float | None:
+        """The class's latency objective in seconds (``slo_p99_ms``), or None if it has none."""
+        klass = self._config.classes.get(class_name)
+        if klass is None or klass.slo_p99_ms is None:
+            return None
+        return klass.slo_p99_ms / 1000.0

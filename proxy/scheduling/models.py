@@ -90,6 +90,8 @@ class ModelGates:
         self.gates: dict[str, Gate] = {}
         self._infos: dict[str, ModelInfo] = {}
         self.adaptive = self._new_adaptive(config)
+        self.share = 1.0
+        """Fraction of the dispatch slots these gates own (a canary arm's gates split them)."""
         fleet.listeners.append(lambda _instance: self.poke())
 
     @staticmethod
@@ -115,6 +117,9 @@ class ModelGates:
         if self.workers > 1:
             # One of N worker processes: see proxy.workers.per_worker_scheduling for the bound.
             slots = max(1, -(-slots // self.workers))
+        if self.share < 1.0:
+            # A canary arm's gates own their share of the slots, never less than one.
+            slots = max(1, int(slots * self.share))
         return slots
 
     def slot_limit(self, instance: str, model: str) -> int | None:

@@ -1,0 +1,1 @@
+"""Operator tooling: Grafana dashboards generated from Python, rendered without Grafana."""
