@@ -46,6 +46,7 @@ SEED = int(os.environ.get("FUZZ_SEED", "9009"))
 HTTP_CASES = 800
 GRPC_CASES = 150
 TIMEOUT_S = 10.0
+CHUNK = 50
 RSS_GROWTH_BOUND = 96 << 20
 
 
@@ -91,6 +92,21 @@ async def _grpc_relayed(results: list[GrpcResult], target: str) -> list[str]:
                 continue
             problems.append(f"[{case.kind}] {problem} (Triton itself: {direct.name})")
     return problems
+
+
+async def _not_answering(servers: list[Any]) -> list[int]:
+    """Indexes of servers whose /v2/health/live does not answer 200 within 5 s."""
+    down = []
+    for index, s in enumerate(servers):
+        r = await exchange(
+            "127.0.0.1",
+            _port(s.http_url),
+            build("GET", "/v2/health/live", content_length=False),
+            timeout_s=5,
+        )
+        if r.status != 200:
+            down.append(index)
+    return down
 
 
 async def _fleet_state(servers: list[Any]) -> list[Any]:
