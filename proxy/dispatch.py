@@ -273,7 +273,12 @@ class Dispatcher:
                         self.costs.observe_alone(call.model, call.cost, trace.inside_s)
                     if self.admission is not None:
                         self.admission.observe_inside(
-                            instance.name, call.model, work.class_name, trace.inside_s, in_flight
+                            instance.name,
+                            call.model,
+                            work.class_name,
+                            trace.inside_s,
+                            in_flight,
+                            self.costs.batch_seconds(call.model, request.batch),
                         )
             except UpstreamConnectError as exc:
                 self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)

@@ -15,8 +15,11 @@ when the top class sent none (their long requests are expected to take long).
     if p90(inside time) > target:           limit = max(low, limit * decrease)
     elif limit was reached in the window:   limit = min(high, limit + step)
 
-with ``target = target_fraction x top class's slo_p99_ms`` (the rest of the SLO is left for
-waiting in the proxy), ``low = min_batches x B x n``, ``high = max_batches x B x n`` and
+with ``target = max(target_fraction x top class's slo_p99_ms, 2 x batch_s)``: the rest of the SLO
+is left for waiting in the proxy, but never less than two full batches of the model's typical
+requests (``batch_s``, from the learned cost curve, :mod:`proxy.scheduling.cost`), since a
+request may always find one batch running and must then run in the next;
+``low = min_batches x B x n``, ``high = max_batches x B x n`` and
 ``step = max(1, B x n / 4)``, where ``B`` is ``max_batch_size`` (1 without batching) and ``n``
 the model's instance count per server. The limit only grows while it binds, so an idle
 instance keeps the limit that served it last. Bounds keep a full batch formable at all times.
@@ -84,8 +87,17 @@ class ConcurrencyLimit:
     def current(self) -> int:
         return max(1, int(self.limit))
 
-    def observe(self, inside_s: float, top_class: bool, in_flight: int, now: float) -> str | None:
-        """Record one answered request; returns ``"down"``/``"up"`` when the limit moved."""
+    def observe(
+        self,
+        inside_s: float,
+        top_class: bool,
+        in_flight: int,
+        now: float,
+        batch_s: float | None = None,
+    ) -> str | None:
+        """Record one answered request; returns ``"down"``/``"up"`` when the limit moved.
+
+        ``batch_s``: the model's current full-batch time, when known (raises the target)."""
         (self._top if top_class else self._any).record(inside_s, now)
         if in_flight >= self.current():
             self._bound = True
@@ -97,7 +109,8 @@ class ConcurrencyLimit:
         window = self._top if self._top.count(now) else self._any
         p90 = window.quantile(0.9, now)
         bound, self._bound = self._bound, False
-        if p90 is not None and p90 > self.target_s:
+        target = max(self.target_s, 2 * batch_s) if batch_s is not None else self.target_s
+        if p90 is not None and p90 > target:
             new = max(self.low, self.limit * self.decrease)
             direction = "down"
         elif bound:
@@ -152,8 +165,10 @@ class AdaptiveConcurrency:
         top_class: bool,
         in_flight: int,
         now: float,
+        batch_s: float | None = None,
     ) -> str | None:
-        return self._get(instance, model, per_batch).observe(inside_s, top_class, in_flight, now)
+        law = self._get(instance, model, per_batch)
+        return law.observe(inside_s, top_class, in_flight, now, batch_s)
 
     def forget_instance(self, instance: str) -> None:
         for key in [k for k in self._limits if k[0] == instance]:

@@ -25,7 +25,7 @@ from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import InstanceFailure, to_every_instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
@@ -119,14 +119,16 @@ class GrpcFrontend:
         # reloads may hand it another).
         self._rt = runtime_ref
 
-    def server(self, max_receive_bytes: int) -> grpc.aio.Server:
+    def server(self, max_receive_bytes: int, *, reuse_port: bool = False) -> grpc.aio.Server:
+        """``reuse_port``: share the port with the proxy's other workers (``--workers``)."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 # Responses are bounded by Triton, not by the proxy (as over HTTP).
                 ("grpc.max_send_message_length", -1),
-                # Linux gRPC servers share a port with any other by default: fail instead.
-                ("grpc.so_reuseport", 0),
+                # Linux gRPC servers share a port with any other by default: fail instead,
+                # unless the sharing is ours (workers).
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
             ]
         )
         server.add_generic_rpc_handlers([self.handler()])
@@ -347,7 +349,12 @@ class GrpcFrontend:
                     return await self._unary(rt, instance, method, request, forward, context)
                 except grpc.aio.AioRpcError as exc:
                     raise InstanceFailure(exc.code(), exc.details() or "") from exc
-                except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
+                except (
+                    UpstreamConnectError,
+                    UpstreamLostError,
+                    UpstreamTimeoutError,
+                    ProxyError,
+                ) as exc:
                     raise InstanceFailure(
                         grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
                     ) from exc

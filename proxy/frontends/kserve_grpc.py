@@ -8,6 +8,7 @@ only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -127,6 +128,12 @@ def with_parameter(data: bytes, name: str, value: int) -> bytes:
     existing value of ``name`` is replaced whole. ``int64_param`` is what every Triton version
     accepts for ``priority`` and ``timeout`` (newer ones also take ``uint64_param``).
     """
+    return data + _parameter_entry(name, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_entry(name: str, value: int) -> bytes:
+    # A class has one priority: the same few entries are encoded for every request.
     entry = pb.ModelInferRequest(parameters={name: pb.InferParameter(int64_param=value)})
     encoded: bytes = entry.SerializeToString()
-    return data + encoded
+    return encoded

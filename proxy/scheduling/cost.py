@@ -148,6 +148,14 @@ class CostModel:
         slope = max(0.0, (fit.xy / fit.w - mean_x * mean_y) / var)
         return max(0.0, mean_y - slope * mean_x), slope
 
+    def batch_seconds(self, model: str, batch: int) -> float | None:
+        """Expected time of a full batch of ``batch`` typical requests (padding to the
+        typical cost), or None when the curve is unknown."""
+        fit = self._fits.get(model)
+        if fit is None:
+            return None
+        return self.seconds(model, max(1, batch) * fit.typical)
+
     def seconds(self, model: str, cost: float) -> float | None:
         """Expected service time of a batch of this one request, or None when unknown."""
         curve = self.curve(model)

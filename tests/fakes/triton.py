@@ -759,6 +759,7 @@ class FakeFleet:
     size: int = 3
     models: Callable[[], dict[str, dict[str, Any]]] = default_models
     servers: list[FakeTriton] = field(default_factory=list)
+    bystanders: list[FakeTriton] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -776,14 +777,16 @@ class FakeFleet:
             self.add(f"fake-{i}")
         return self
 
-    def add(self, name: str) -> FakeTriton:
+    def add(self, name: str, *, instance: bool = True) -> FakeTriton:
+        """Start one more fake; ``instance=False`` keeps it out of :attr:`servers` (the
+        proxy's instances), as a bystander such as an SSRF canary."""
         fake = FakeTriton(name, self.loop, self.models())
         self.call(fake.start())
-        self.servers.append(fake)
+        (self.servers if instance else self.bystanders).append(fake)
         return fake
 
     def stop(self) -> None:
-        for fake in self.servers:
+        for fake in [*self.servers, *self.bystanders]:
             self.call(fake.kill())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

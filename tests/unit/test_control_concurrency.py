@@ -69,3 +69,10 @@ def test_targets_come_from_the_top_class_slo() -> None:
 def test_config_is_validated(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         AdaptiveConcurrencyConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_the_target_is_never_below_two_full_batches_of_the_model() -> None:
+    c = law()
+    for i in range(60):  # 300 ms answers: above the 100 ms SLO target...
+        c.observe(0.3, True, 0, i * 0.1, batch_s=0.2)
+    assert c.current() == 32  # ...but below two 200 ms batches: no reason to cut slots

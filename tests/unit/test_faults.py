@@ -7,13 +7,17 @@ The fakes (``faketriton``) are small aiohttp servers: they make a server fail in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from proxy.app import ProxyServer
 from proxy.config import ProxyConfig, parse
@@ -279,3 +283,59 @@ async def test_policy_watch_survives_an_unexpected_error(tmp_path: Path) -> None
 )
 def test_only_a_missing_model_takes_it_out_of_rotation(message: str, absent: bool) -> None:
     assert says_model_absent(message) is absent
+
+
+async def test_connect_timeout_is_retried_elsewhere_without_ejecting() -> None:
+    # A listener that never accepts, its queue already full: connecting to it hangs.
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(black_hole.getsockname())
+        fillers.append(s)
+    try:
+        async with fakes(1) as (f0,):
+            doc = policy([f0])
+            doc["instances"].insert(
+                0, {"name": "hole", "http": "http://{}:{}".format(*black_hole.getsockname())}
+            )
+            doc["limits"] = {"connect_timeout_s": 0.2}
+            doc["health"] = {"timeout_s": 0.2, "interval_s": 60, "eject_after_failures": 3}
+            async with proxy_for(doc) as proxy:
+                hole = proxy.runtime.fleet.get("hole")
+                hole.next_probe_at = float("inf")  # only requests meet it from now on
+                await asyncio.sleep(0.3)  # a probe already under way times out
+                hole.healthy, hole.failures = True, 0  # whatever the probes found
+                answers = [await infer(proxy) for _ in range(2)]  # round robin: one to the hole
+                assert [(a[0], a[1]["served_by"]) for a in answers] == [(200, "f0")] * 2
+                # Never reached, so retried; and a connect timeout alone does not eject.
+                assert hole.healthy and hole.failures >= 1
+                assert proxy.runtime.telemetry.retries._value.get() == hole.failures
+    finally:
+        for s in fillers:
+            s.close()
+        black_hole.close()
+
+
+async def test_grpc_request_over_the_byte_budget_is_resource_exhausted() -> None:
+    async with fakes(1) as (f0,):
+        doc = policy([f0])
+        doc["instances"][0]["grpc"] = "127.0.0.1:1"  # never reached: refused before dispatch
+        async with proxy_for(doc) as proxy:
+            assert proxy.ports is not None and proxy.ports.grpc is not None
+            budget = proxy.runtime.budget
+            budget.in_use = budget.limit - 10  # as if other requests held the rest
+            request = pb.ModelInferRequest(model_name="m", id="x" * 64).SerializeToString()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.ports.grpc}") as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_buffered_bytes" in (info.value.details() or "")
+            trailing = dict(info.value.trailing_metadata() or ())
+            assert trailing.get("retry-after") == "1"
+            assert budget.in_use == budget.limit - 10  # the refused request holds nothing

@@ -70,3 +70,11 @@ def test_the_curve_is_learned_from_requests_that_ran_alone() -> None:
 def test_an_override_wins_over_the_fit() -> None:
     model = CostModel(overrides={"m": CostOverride(base_ms=3, per_unit_us=2)})
     assert model.seconds("m", 1000) == pytest.approx(0.005)
+
+
+def test_a_full_batch_pads_to_the_typical_request() -> None:
+    model = CostModel(overrides={"m": CostOverride(base_ms=5, per_unit_us=20)})
+    assert model.batch_seconds("m", 16) is None  # no cost seen yet: typical unknown
+    for _ in range(50):
+        model.observe_cost("m", 100)
+    assert model.batch_seconds("m", 16) == pytest.approx(0.005 + 20e-6 * 16 * 100, rel=0.05)
