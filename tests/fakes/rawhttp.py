@@ -63,7 +63,18 @@ def build(
     return head + body
 
 
+def _skip_interim(data: bytes) -> bytes:
+    """Drop 1xx interim responses (``100 Continue``) before the final one."""
+    while data.startswith(b"HTTP/1.1 1") or data.startswith(b"HTTP/1.0 1"):
+        _, sep, rest = data.partition(b"\r\n\r\n")
+        if not sep:
+            break
+        data = rest
+    return data
+
+
 def _parse(data: bytes) -> RawResponse:
+    data = _skip_interim(data)
     head, sep, rest = data.partition(b"\r\n\r\n")
     if not sep:
         return RawResponse(None, error=f"incomplete response head ({len(data)} bytes)")
@@ -84,6 +95,7 @@ def _parse(data: bytes) -> RawResponse:
 
 
 def _complete(data: bytes) -> bool:
+    data = _skip_interim(data)
     head, sep, rest = data.partition(b"\r\n\r\n")
     if not sep:
         return False

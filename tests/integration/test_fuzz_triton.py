@@ -46,6 +46,7 @@ SEED = int(os.environ.get("FUZZ_SEED", "9009"))
 HTTP_CASES = 800
 GRPC_CASES = 150
 TIMEOUT_S = 10.0
+CHUNK = 50
 RSS_GROWTH_BOUND = 96 << 20
 
 
@@ -93,6 +94,25 @@ async def _grpc_relayed(results: list[GrpcResult], target: str) -> list[str]:
     return problems
 
 
+async def _not_answering(servers: list[Any]) -> list[int]:
+    """Indexes of servers that do not answer readiness and a model config with 200 within 5 s
+    each (after the first run of this test, a server still answered /v2/health/live but the
+    next tests found no instance that could describe a model)."""
+    down = []
+    for index, s in enumerate(servers):
+        for path in ("/v2/health/ready", "/v2/models/simple/config"):
+            r = await exchange(
+                "127.0.0.1",
+                _port(s.http_url),
+                build("GET", path, content_length=False),
+                timeout_s=5,
+            )
+            if r.status != 200:
+                down.append(index)
+                break
+    return down
+
+
 async def _fleet_state(servers: list[Any]) -> list[Any]:
     """What a leaked model-control call would change: model readiness and log settings."""
     state = []
@@ -109,6 +129,16 @@ async def _fleet_state(servers: list[Any]) -> list[Any]:
 
 
 async def test_fuzz_through_the_proxy_to_real_triton(triton_fleet: Any, tmp_path: Path) -> None:
+    try:
+        await _fuzz(triton_fleet, tmp_path)
+    finally:
+        # The fleet is shared with every later integration test: leave it serving.
+        for index in await _not_answering(triton_fleet.servers):
+            print(f"restarting {triton_fleet.servers[index].name}: it stopped serving")
+            triton_fleet.restart(index)
+
+
+async def _fuzz(triton_fleet: Any, tmp_path: Path) -> None:
     servers = triton_fleet.servers
     rng = random.Random(SEED + 7)
     with FakeFleet(0) as canaries:
