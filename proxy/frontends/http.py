@@ -66,6 +66,9 @@ HOP_BY_HOP = frozenset(
         "Upgrade",
         "Host",
         "Content-Length",
+        # The proxy reads the whole body before it sends anything upstream, so it answers the
+        # client's Expect itself; forwarded, Triton's interim 100 would be taken for its answer.
+        "Expect",
     )
 )
 
