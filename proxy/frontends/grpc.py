@@ -37,7 +37,7 @@ from proxy.frontends.kserve_grpc import read_infer, with_parameter
 from proxy.frontends.routes import check_model_name
 from proxy.request import Call
 from proxy.runtime import Runtime
-from proxy.scheduling.cost import grpc_cost
+from proxy.scheduling.cost import check_shapes, cost_of, grpc_shapes
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +194,18 @@ class GrpcFrontend:
                 "triton-proxy could not parse the ModelInferRequest, or it names no model",
             )
         check_model_name(model)
+        try:
+            shapes = grpc_shapes(request)
+        except (ValueError, IndexError):
+            shapes = []  # routing fields parsed, so Triton gets it and says what is wrong
+        check_shapes(shapes, len(request))
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
             model=model,
             headers=headers,
             params=params,
             session_key=rt.session_key(headers),
-            cost=grpc_cost(request),
+            cost=cost_of(shapes),
         )
 
     async def _unary(
@@ -418,6 +423,8 @@ class _StreamSlots:
         stack = contextlib.AsyncExitStack()
         entry: tuple[contextlib.AsyncExitStack, bool] | None = None
         try:
+            with contextlib.suppress(ValueError, IndexError):
+                check_shapes(grpc_shapes(request), len(request))
             with self.rt.budget.hold(len(request)):
                 priority = await stack.enter_async_context(
                     self.rt.dispatcher.admitted(model, self.klass)

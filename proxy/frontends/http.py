@@ -43,7 +43,7 @@ from proxy.frontends.kserve_http import (
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
 from proxy.request import Call
 from proxy.runtime import Runtime
-from proxy.scheduling.cost import http_cost
+from proxy.scheduling.cost import check_shapes, cost_of, http_shapes
 
 log = logging.getLogger(__name__)
 
@@ -202,13 +202,15 @@ class HttpFrontend:
         headers = _forward_headers(request.headers, rt.private_headers, "content-encoding")
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
+        shapes = http_shapes(json_header(body, header_length)) if infer else []
+        check_shapes(shapes, len(body))
         # aiohttp's headers are case-insensitive already: no lower-cased copy is needed.
         call = Call(
             model=route.model,
             headers=request.headers,
             params=read_params(body, header_length),
             session_key=rt.session_key(request.headers),
-            cost=http_cost(json_header(body, header_length)) if infer else 1.0,
+            cost=cost_of(shapes),
         )
         stream = route.kind is Kind.GENERATE_STREAM
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from proxy.errors import Code, ProxyError
 from proxy.frontends.kserve_grpc import nested_fields, packed_varints
 
 _SHAPE = re.compile(rb'"shape"\s*:\s*\[([0-9,\s]*)\]')
@@ -39,36 +40,70 @@ def shape_cost(shape: list[int]) -> float:
     return float(rows * max(rest)) if rest else float(rows)
 
 
-def _combine(shapes: list[list[int]]) -> float:
+def cost_of(shapes: list[list[int]]) -> float:
+    """The request's cost: the largest of its inputs' (1 without a readable shape)."""
     if not shapes:
         return 1.0
     return min(_MAX_COST, max(shape_cost(s) for s in shapes))
 
 
-def http_cost(json_header: bytes) -> float:
-    """Cost from the ``shape`` arrays of an HTTP JSON header (1 when none is readable).
+def http_shapes(json_header: bytes) -> list[list[int]]:
+    """The ``shape`` arrays of an HTTP JSON header, as far as a scan can read them.
 
     A regular expression, not a JSON parse: a header may carry megabytes of JSON tensor data,
     and inside a JSON string a quote is escaped, so ``"shape"`` only matches a real key.
     """
-    shapes = []
-    for m in _SHAPE.finditer(json_header):
-        dims = [int(d) for d in m.group(1).split(b",") if d.strip()]
-        shapes.append(dims)
-    return _combine(shapes)
+    return [
+        [int(d) for d in m.group(1).split(b",") if d.strip()] for m in _SHAPE.finditer(json_header)
+    ]
+
+
+def grpc_shapes(request: bytes) -> list[list[int]]:
+    """The input shapes of a serialized ``ModelInferRequest`` (packed or not); tensor bytes
+    are skipped. Raises ``ValueError`` (or ``IndexError``) on a malformed message."""
+    return [
+        [
+            d
+            for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
+            for d in packed_varints(value)
+        ]
+        for tensor in nested_fields(request, _INPUTS)
+    ]
+
+
+def http_cost(json_header: bytes) -> float:
+    """Cost from the ``shape`` arrays of an HTTP JSON header (1 when none is readable)."""
+    return cost_of(http_shapes(json_header))
 
 
 def grpc_cost(request: bytes) -> float:
     """Cost from a serialized ``ModelInferRequest``'s input shapes (1 when unreadable)."""
     try:
-        shapes = [
-            packed_varints(value)
-            for tensor in nested_fields(request, _INPUTS)
-            for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
-        ]
+        return cost_of(grpc_shapes(request))
     except (ValueError, IndexError):
         return 1.0
-    return _combine(shapes)
+
+
+def check_shapes(shapes: list[list[int]], nbytes: int) -> None:
+    """Refuse (400) an input whose shape holds more elements than a ``nbytes`` request can.
+
+    Every element of a tensor takes at least one byte of the request (a JSON value, a binary
+    element, a protobuf field), so no valid request declares more elements than it has bytes.
+    Triton 2.51 allocates from the declared shape before it checks the data and dies with
+    ``std::bad_alloc`` on a huge one (found by the fuzz suite through the proxy): one client's
+    request would take a whole server down.
+    """
+    for shape in shapes:
+        elements = 1
+        for dim in shape:
+            elements *= max(dim, 0)
+            if elements > nbytes:
+                shown = shape if len(shape) <= 8 else [*shape[:8], "..."]
+                raise ProxyError(
+                    Code.INVALID_ARG,
+                    f"input shape {shown} holds more elements than a request of {nbytes} "
+                    "bytes can carry; triton-proxy refuses it before it reaches Triton",
+                )
 
 
 @dataclass(frozen=True)

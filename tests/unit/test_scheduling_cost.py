@@ -78,3 +78,21 @@ def test_a_full_batch_pads_to_the_typical_request() -> None:
     for _ in range(50):
         model.observe_cost("m", 100)
     assert model.batch_seconds("m", 16) == pytest.approx(0.005 + 20e-6 * 16 * 100, rel=0.05)
+
+
+def test_shapes_no_request_could_carry_are_refused() -> None:
+    from proxy.errors import Code, ProxyError
+    from proxy.scheduling.cost import check_shapes, grpc_shapes, http_shapes
+
+    header = b'{"inputs":[{"name":"A","shape":[1,16],"datatype":"INT32","data":[0]}]}'
+    check_shapes(http_shapes(header), 64)  # 16 elements in a 64-byte request: possible
+    with pytest.raises(ProxyError) as info:
+        check_shapes(http_shapes(b'{"inputs":[{"shape":[100000,100000]}]}'), 10_000)
+    assert info.value.code is Code.INVALID_ARG and "more elements" in info.value.message
+    check_shapes([[0, 10**30]], 10)  # empty tensor: nothing to carry
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add().shape.extend([1 << 20, 1 << 20])
+    data = request.SerializeToString()
+    assert grpc_shapes(data) == [[1 << 20, 1 << 20]]
+    with pytest.raises(ProxyError):
+        check_shapes(grpc_shapes(data), len(data))
