@@ -281,7 +281,7 @@ class ControlLoops:
         self._report(d, f"{d.old / 1e3:g} ms -> {d.new / 1e3:g} ms")
         if not self.config.dry_run:
             self._applying[model] = asyncio.create_task(
-                self._apply(model, int(d.new)), name=f"control-window-{model}"
+                self.apply_window(model, int(d.new)), name=f"control-window-{model}"
             )
 
     async def _read_window(self, model: str) -> int | None:
@@ -296,7 +296,20 @@ class ControlLoops:
             return window
         return None
 
-    async def _apply(self, model: str, window_us: int) -> None:
+    @property
+    def off_models(self) -> frozenset[str]:
+        """Models the batching loop gave up on."""
+        return frozenset(self._off)
+
+    def applying(self, model: str) -> bool:
+        """A window change of ``model`` is under way."""
+        return model in self._applying
+
+    async def apply_window(self, model: str, window_us: int) -> None:
+        """Roll ``window_us`` out to every instance (drained, one at a time); never raises for
+        a server's refusal or failure, which it reports instead."""
+        if model in self._off:
+            return
         cfg = self.config.batching
         try:
             result = await self.applier.apply(
