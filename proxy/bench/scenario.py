@@ -172,10 +172,12 @@ class Scenario:
         """(phase name, start, end, class -> rate) from time 0 of the schedule; the warm-up is
         its own segment named ``warmup``."""
         base = {n: c.rate_rps for n, c in self.classes.items()}
-        if not self.phases:
-            out = [("all", self.warmup_s, self.horizon_s, base)]
-            return ([("warmup", 0.0, self.warmup_s, base)] if self.warmup_s else []) + out
         segs: list[tuple[str, float, float, Mapping[str, float]]] = []
+        if not self.phases:
+            if self.warmup_s:
+                segs.append(("warmup", 0.0, self.warmup_s, base))
+            segs.append(("all", self.warmup_s, self.horizon_s, base))
+            return segs
         first = {**base, **self.phases[0].rates}
         if self.warmup_s:
             segs.append(("warmup", 0.0, self.warmup_s, first))
