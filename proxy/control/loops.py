@@ -343,6 +343,11 @@ class ControlLoops:
                     window_us / 1e3,
                     ", ".join(result.changed) or "every instance already",
                 )
+        except (ModelControlError, OSError, ValueError) as exc:
+            # A background change must not die unseen; the next tick re-reads the window.
+            self.window_target.pop(model, None)
+            self.telemetry.control_apply_failures.labels("batching", model).inc()
+            log.error("batching window change of %s failed: %s", model, exc)
         finally:
             self._applying.pop(model, None)
 
