@@ -107,7 +107,7 @@ class ControlLoops:
 
     # --- inputs ---------------------------------------------------------------------------
     def on_request(self, record: RequestRecord) -> None:
-        if record.outcome != "ok" or self.roles is None:
+        if record.outcome != "ok" or self.roles is None or not self.config.any_enabled:
             return
         if record.class_name not in self.roles.slo_s:
             return
