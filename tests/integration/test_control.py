@@ -224,6 +224,7 @@ def test_control_loop_lengthens_then_shortens_the_window(fleet: LocalFleet) -> N
                 "min_us": 1000,
                 "max_us": 4000,
                 "backlog_min": 1.0,
+                "fill_ratio": 0.0,  # the fill rule has its unit tests; here any queue will do
             },
         },
     }
@@ -234,7 +235,7 @@ def test_control_loop_lengthens_then_shortens_the_window(fleet: LocalFleet) -> N
         sender = threading.Thread(target=closed_loop, args=(proxy.http, 8, stop, traffic))
         sender.start()
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 150
             while time.monotonic() < deadline and rt.control.window_target.get(MODEL) != 4000:
                 time.sleep(0.2)
         finally:
@@ -242,7 +243,7 @@ def test_control_loop_lengthens_then_shortens_the_window(fleet: LocalFleet) -> N
             sender.join(120)
         assert rt.control.window_target.get(MODEL) == 4000
         wait_until(lambda: not rt.control.applying(MODEL), 120)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline and rt.control.window_target.get(MODEL) != 1000:
             time.sleep(0.2)
         assert rt.control.window_target.get(MODEL) == 1000
