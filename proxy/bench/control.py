@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import sys
@@ -200,21 +201,22 @@ def summarize(
 
 
 def _mean_batch(samples: Sequence[tuple[float, Mapping[str, float]]], lo: float, hi: float) -> Any:
-    """Inferences per execution between the probes nearest ``lo`` and ``hi`` (reloads reset
-    Triton's counters: then None)."""
-    inside = [(at, v) for at, v in samples if lo <= at <= hi]
-    if len(inside) < 2:
+    """Inferences per execution over the probes between ``lo`` and ``hi``. Triton's counters
+    restart from 0 when a model reloads: a drop counts the new value as the increment."""
+    inside = [v for at, v in samples if lo <= at <= hi]
+    totals = {"exec:": 0.0, "count:": 0.0}
+    for a, b in itertools.pairwise(inside):
+        for key, now in b.items():
+            prefix = next((p for p in totals if key.startswith(p)), None)
+            if prefix is None:
+                continue
+            before = a.get(key)
+            if before is None:
+                continue
+            totals[prefix] += now - before if now >= before else now
+    if totals["exec:"] <= 0:
         return None
-    (_, a), (_, b) = inside[0], inside[-1]
-
-    def total(v: Mapping[str, float], prefix: str) -> float:
-        return sum(x for k, x in v.items() if k.startswith(prefix))
-
-    execs = total(b, "exec:") - total(a, "exec:")
-    count = total(b, "count:") - total(a, "count:")
-    if execs <= 0 or count < 0:
-        return None
-    return count / execs
+    return totals["count:"] / totals["exec:"]
 
 
 def render(results: Sequence[ArmResult], bench: ControlBench) -> str:
