@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from proxy.budget import ByteBudget
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
 from proxy.control.apply import WindowApplier
@@ -76,6 +77,9 @@ class Runtime:
             request_timeout_s=config.limits.request_timeout_s,
         )
         self.health = HealthChecker(self.fleet)
+        self.budget = ByteBudget(config.limits.max_buffered_bytes)
+        self.draining = False
+        """Shutdown began: readiness answers "not ready" (see ``ProxyServer.stop``)."""
         self.affinity = SequenceAffinity(
             clock,
             max_entries=config.sequences.max_entries,
@@ -92,7 +96,7 @@ class Runtime:
         )
         self.router = Router(config.routing, clock, rng)
         self.placement = FleetPlacement(
-            self.fleet, self.upstreams, self._choose, self.scraper.snapshot
+            self.fleet, self.upstreams, self._choose, self.scraper.snapshot, self._slot_limit
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -128,6 +132,8 @@ class Runtime:
             admission=self.gates,
             classifier=classifier,
             max_retries=config.routing.retry.max_retries,
+            request_timeout_s=config.limits.request_timeout_s,
+            on_lost=self.upstreams.reset,
             observer=self.observers,
         )
 
@@ -144,7 +150,14 @@ class Runtime:
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
             self.telemetry.ejections.labels(instance.name).inc()
-            self.affinity.forget_instance(instance.name)
+            self.affinity.forget_instance(instance.name, f"was ejected ({instance.ejected_reason})")
+
+    def ready(self) -> bool:
+        """What the proxy's own readiness endpoints answer."""
+        return not self.draining and self.fleet.any_healthy()
+
+    def _slot_limit(self, instance: str, model: str) -> int | None:
+        return self.gates.slot_limit(instance, model) if self.gates is not None else None
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None
@@ -164,6 +177,11 @@ class Runtime:
             for name in ("listen", "limits", "sequences", "scrape")
             if getattr(config, name) != getattr(self.config, name)
         ]
+        new_specs = {i.name: i for i in config.instances}
+        for inst in self.fleet.all():
+            if new_specs.get(inst.name) != inst.spec:
+                # Its open sequences cannot follow it (their state lives on that server).
+                self.affinity.forget_instance(inst.name, "was removed by a policy reload")
         self.fleet.set_specs(config.instances, config.health)
         self.scraper.set_targets({i.name: i.metrics for i in config.instances if i.metrics})
         await self.upstreams.retire({i.name for i in config.instances})

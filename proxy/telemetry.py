@@ -240,11 +240,19 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     for model, gate in rt.gates.gates.items():
         info = rt.catalog.cached(model)
         if info is not None:
-            capacity.add_metric([model], rt.gates.capacity(info))
+            capacity.add_metric([model], rt.gates.capacity(info, model))
         for klass in gate.config.classes:
             queued.add_metric([model, klass], gate.queued(klass))
             running.add_metric([model, klass], gate.in_flight(klass))
-    yield from (queued, running, capacity)
+    adaptive = GaugeMetricFamily(
+        "triton_proxy_adaptive_concurrency",
+        "Requests of the model the instance may hold, as adaptive concurrency set it",
+        labels=["model", "instance"],
+    )
+    if rt.gates.adaptive is not None:
+        for (instance, model), limit in rt.gates.adaptive.current().items():
+            adaptive.add_metric([model, instance], limit)
+    yield from (queued, running, capacity, adaptive)
 
 
 def control_metrics(loops: ControlLoops) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any, NoReturn
 
@@ -19,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
+from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
@@ -35,6 +37,7 @@ from proxy.frontends.kserve_grpc import read_infer, with_parameter
 from proxy.frontends.routes import check_model_name
 from proxy.request import Call
 from proxy.runtime import Runtime
+from proxy.scheduling.cost import grpc_cost
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class GrpcFrontend:
         return _LIVE
 
     async def server_ready(self, request: bytes, context: Any) -> bytes:
-        return _READY if self._rt().fleet.any_healthy() else _NOT_READY
+        return _READY if self._rt().ready() else _NOT_READY
 
     # --- inference ------------------------------------------------------------------------
     def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
@@ -191,7 +194,11 @@ class GrpcFrontend:
         check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
-            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+            model=model,
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+            cost=grpc_cost(request),
         )
 
     async def _unary(
@@ -219,12 +226,21 @@ class GrpcFrontend:
 
         async def send(instance: Instance, priority: int | None) -> bytes:
             data = _prioritized(request, priority)
-            return await self._unary(rt, instance, "ModelInfer", data, forward, context)
+            try:
+                return await self._unary(rt, instance, "ModelInfer", data, forward, context)
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                absent = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                if absent and says_model_absent(details):
+                    raise ModelAbsentError(details, exc) from exc
+                raise
 
-        return await rt.dispatcher.run(self._call(rt, request, metadata), send)
+        with rt.budget.hold(len(request)):
+            return await rt.dispatcher.run(self._call(rt, request, metadata), send)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
-        """The whole stream stays on the instance chosen for its first request."""
+        """The whole stream stays on the instance chosen for its first request; each message
+        passes its model's class gate on its own, so an idle stream holds no slot."""
         try:
             incoming = aiter(requests)
             first = await anext(incoming, None)
@@ -233,11 +249,13 @@ class GrpcFrontend:
             rt = self._rt()
             metadata = _metadata(context)
             forward = forward_metadata(metadata, rt.private_headers)
+            call = self._call(rt, first, metadata)
+            klass = rt.dispatcher.classify(call)
 
-            async def send(instance: Instance, priority: int | None) -> None:
-                await self._relay_stream(rt, instance, priority, first, incoming, forward, context)
+            async def send(instance: Instance, _: int | None) -> None:
+                await self._relay_stream(rt, instance, klass, first, incoming, forward, context)
 
-            await rt.dispatcher.run(self._call(rt, first, metadata), send, stream=True)
+            await rt.dispatcher.run(call, send, stream=True, admit=False)
         except (ProxyError, grpc.aio.AioRpcError) as exc:
             await abort_with(context, exc)
 
@@ -245,7 +263,7 @@ class GrpcFrontend:
         self,
         rt: Runtime,
         instance: Instance,
-        priority: int | None,
+        klass: str,
         first: bytes,
         incoming: AsyncIterator[bytes],
         metadata: Metadata,
@@ -254,9 +272,10 @@ class GrpcFrontend:
         upstream = rt.grpc_upstreams.stream(
             instance, method_path("ModelStreamInfer"), metadata, context.time_remaining()
         )
+        slots = _StreamSlots(rt, klass, upstream, context)
         try:
             try:
-                await upstream.write(_prioritized(first, priority))
+                await slots.send(first)
             except grpc.aio.AioRpcError as exc:
                 # Only here can a stream be retried elsewhere: nothing else was taken from
                 # the client yet.
@@ -268,10 +287,10 @@ class GrpcFrontend:
                 model, params = read_infer(request)
                 rt.dispatcher.note_sequence(model, params, instance)
 
-            sender = asyncio.create_task(_send_requests(incoming, upstream, priority, on_request))
+            sender = asyncio.create_task(_send_requests(incoming, upstream, slots, on_request))
             try:
                 async for response in upstream:
-                    await context.write(response)
+                    await slots.answered(response)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _SERVER_TROUBLE:
                     rt.health.check_soon(instance)
@@ -290,6 +309,7 @@ class GrpcFrontend:
                     await sender
         finally:
             upstream.cancel()
+            await slots.close()
 
     # --- everything else ------------------------------------------------------------------
     async def _relay(self, method: str, request: bytes, context: Any) -> bytes:
@@ -370,17 +390,91 @@ def _prioritized(request: bytes, priority: int | None) -> bytes:
     return request if priority is None else with_parameter(request, "priority", priority)
 
 
+class _StreamSlots:
+    """The class-gate slots of one stream's messages: each message waits for its own slot
+    (and its bytes are held against the byte budget until written upstream); an answer
+    releases the oldest slot. A decoupled model's answers release it at the final one, when
+    the client asked Triton to flag it (``triton_final_response``), else at the first."""
+
+    def __init__(self, rt: Runtime, klass: str, upstream: Any, context: Any) -> None:
+        self.rt = rt
+        self.klass = klass
+        self.upstream = upstream
+        self.context = context
+        self.pending: deque[tuple[contextlib.AsyncExitStack, bool]] = deque()
+        self._write = asyncio.Lock()
+
+    async def send(self, request: bytes) -> None:
+        """Admit one message and write it upstream; a refused one is answered in the stream,
+        as Triton answers a failed request of a stream."""
+        model, _ = read_infer(request)
+        stack = contextlib.AsyncExitStack()
+        try:
+            with self.rt.budget.hold(len(request)):
+                priority = await stack.enter_async_context(
+                    self.rt.dispatcher.admitted(model, self.klass)
+                )
+                info = self.rt.catalog.cached(model)
+                self.pending.append((stack, info is not None and info.decoupled))
+                await self.upstream.write(_prioritized(request, priority))
+        except ProxyError as exc:
+            await stack.aclose()
+            await self._reply(_stream_error(request, model, exc.message))
+        except BaseException:
+            await stack.aclose()
+            raise
+
+    async def answered(self, response: bytes) -> None:
+        if self.pending:
+            stack, decoupled = self.pending[0]
+            if not decoupled or _final_response(response):
+                self.pending.popleft()
+                await stack.aclose()
+        await self._reply(response)
+
+    async def _reply(self, response: bytes) -> None:
+        async with self._write:
+            await self.context.write(response)
+
+    async def close(self) -> None:
+        while self.pending:
+            stack, _ = self.pending.popleft()
+            await stack.aclose()
+
+
+def _stream_error(request: bytes, model: str, message: str) -> bytes:
+    try:
+        request_id = pb.ModelInferRequest.FromString(request).id
+    except DecodeError:
+        request_id = ""
+    answer = pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=model, id=request_id),
+    )
+    data: bytes = answer.SerializeToString()
+    return data
+
+
+def _final_response(response: bytes) -> bool:
+    try:
+        parsed = pb.ModelStreamInferResponse.FromString(response)
+    except DecodeError:
+        return True
+    flag = parsed.infer_response.parameters.get("triton_final_response")
+    return bool(parsed.error_message) or flag is None or flag.bool_param
+
+
 async def _send_requests(
     incoming: AsyncIterator[bytes],
     upstream: Any,
-    priority: int | None,
+    slots: _StreamSlots,
     on_request: Callable[[bytes], None],
 ) -> None:
     """Relay the client's requests as they arrive, then half-close upstream."""
     try:
         async for request in incoming:
             on_request(request)
-            await upstream.write(_prioritized(request, priority))
+            await slots.send(request)
         await upstream.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         return  # the upstream call ended; the response side reports how
