@@ -116,7 +116,7 @@ class Runtime:
             fleet=self.fleet,
             gates=lambda: self.gates,
             snapshots=self.scraper.snapshots,
-            applier=WindowApplier(self.fleet, self.model_control),
+            applier=WindowApplier(self.fleet, self.model_control, on_drain=self._poke_gates),
             clock=clock,
             telemetry=telemetry,
             is_leader=is_leader,
@@ -146,6 +146,10 @@ class Runtime:
         self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
         self.telemetry.decision_time.labels(name).observe(elapsed)
         return chosen
+
+    def _poke_gates(self) -> None:
+        if self.gates is not None:
+            self.gates.poke()
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
