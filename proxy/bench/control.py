@@ -179,7 +179,12 @@ def summarize(
         for cname, spec in sc.classes.items():
             sel = (classes == cname) & (t >= lo) & (t < hi)
             n = int(sel.sum())
-            entry: dict[str, Any] = {"offered_rps": rates[cname], "sent": n}
+            entry: dict[str, Any] = {
+                "offered_rps": rates[cname],
+                "sent": n,
+                "shed": int((sel & (rec.outcome == int(Outcome.SHED))).sum()),
+                "errors": int((sel & (rec.outcome == int(Outcome.ERROR))).sum()),
+            }
             if spec.slo_p99_ms is not None and n:
                 met = ok[sel] & (lat[sel] <= spec.slo_p99_ms / 1e3)
                 entry["slo_attainment"] = float(met.mean())
@@ -226,7 +231,7 @@ def render(results: Sequence[ArmResult], bench: ControlBench) -> str:
     lines = []
     head = f"{'arm':<22} {'phase':<10}"
     for n in slo:
-        head += f" {n + ' SLO met':>16} {n + ' p99 ms':>14}"
+        head += f" {n + ' SLO met':>16} {n + ' p99 ms':>14} {'shed':>5}"
     for n in thr:
         head += f" {n + ' done/s':>15} {'offered':>8}"
     head += f" {'batch':>6}"
@@ -240,6 +245,7 @@ def render(results: Sequence[ArmResult], bench: ControlBench) -> str:
                 p99 = e.get("p99_ms")
                 line += f" {'-' if att is None else f'{att * 100:.1f} %':>16}"
                 line += f" {'-' if p99 is None else f'{p99:.0f}':>14}"
+                line += f" {e['shed']:>5}"
             for n in thr:
                 e = p[n]
                 line += f" {e['completed_rps']:>15.1f} {e['offered_rps']:>8.0f}"
