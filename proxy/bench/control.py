@@ -302,8 +302,8 @@ async def run_arm(
     triton = {s.name: s.metrics_url for s in servers}
     async with proxy_subprocess(doc, work, name) as endpoints:
         probes: dict[str, PrometheusGaugeProbe] = {
-            "exec": PrometheusGaugeProbe(triton, "nv_inference_exec_count", {"model": model}),
-            "count": PrometheusGaugeProbe(triton, "nv_inference_count", {"model": model}),
+            "exec": PrometheusGaugeProbe(triton, "nv_inference_exec_count_total", {"model": model}),
+            "count": PrometheusGaugeProbe(triton, "nv_inference_count_total", {"model": model}),
         }
         if controlled and endpoints.metrics_url:
             probes["window"] = PrometheusGaugeProbe(
