@@ -35,6 +35,9 @@ from proxy.telemetry import Telemetry
 
 log = logging.getLogger("proxy.control")
 
+MISS_FACTOR = 10.0
+"""A shed or failed request of an SLO class is recorded as this many times its SLO."""
+
 
 @dataclass(frozen=True)
 class ClassRoles:
@@ -107,15 +110,25 @@ class ControlLoops:
 
     # --- inputs ---------------------------------------------------------------------------
     def on_request(self, record: RequestRecord) -> None:
-        if record.outcome != "ok" or self.roles is None or not self.config.any_enabled:
+        """An answered request of an SLO class adds its latency; one that was shed or failed
+        on the service's side adds ``MISS_FACTOR x`` its SLO (a miss, whatever its latency), so
+        a class whose requests do not come back does not look healthy."""
+        if self.roles is None or not self.config.any_enabled:
             return
-        if record.class_name not in self.roles.slo_s:
+        slo = self.roles.slo_s.get(record.class_name)
+        if slo is None:
             return
+        if record.succeeded:
+            latency = record.latency_s
+        elif record.missed_service:
+            latency = max(record.latency_s, MISS_FACTOR * slo)
+        else:
+            return  # the client's own mistake (bad input, unknown model)
         key = (record.model, record.class_name)
         w = self._latency.get(key)
         if w is None:
             w = self._latency[key] = WindowedQuantiles(self.config.window_s)
-        w.record(record.latency_s, record.at)
+        w.record(latency, record.at)
 
     def p99(self, model: str, class_name: str, now: float) -> float | None:
         w = self._latency.get((model, class_name))

@@ -87,11 +87,31 @@ class _LoopsCollector(Collector):
         return control_metrics(self.loops)
 
 
-def feed(loops: ControlLoops, clock: FakeClock, latency_s: float, n: int = 100) -> None:
+def feed(
+    loops: ControlLoops, clock: FakeClock, latency_s: float, n: int = 100, outcome: str = "200"
+) -> None:
     for _ in range(n):
         loops.on_request(
-            RequestRecord("m", "realtime", "a", "ok", latency_s, 0.0, 1.0, False, clock.now())
+            RequestRecord("m", "realtime", "a", outcome, latency_s, 0.0, 1.0, False, clock.now())
         )
+
+
+@pytest.mark.parametrize(
+    ("outcome", "p99_s"),
+    [
+        ("200", 0.05),  # HTTP answers carry Triton's status
+        ("ok", 0.05),  # gRPC
+        ("shed_late", 1.0),  # a shed counts as 10 x the 100 ms SLO
+        ("503", 1.0),
+        ("unavailable", 1.0),
+        ("400", None),  # the client's mistake says nothing about the SLO
+    ],
+)
+def test_outcomes_feed_the_class_p99(outcome: str, p99_s: float | None) -> None:
+    loops, _, _, clock = make(LIMITS, FakeApplier())
+    feed(loops, clock, 0.05, outcome=outcome)
+    got = loops.p99("m", "realtime", clock.now())
+    assert got == (None if p99_s is None else pytest.approx(p99_s, rel=0.02))
 
 
 def samples(telemetry: Telemetry, name: str) -> dict[tuple[str, ...], float]:
