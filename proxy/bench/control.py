@@ -313,7 +313,9 @@ async def run_arm(
                 split_label="instance",
             )
         probe = Probes(probes)
-        target = HttpTarget(name, TargetSpec(urls=(endpoints.http_url,)), sc)
+        # Enough client connections that a backlog never queues in the generator's own pool
+        # (first come first served there would replace the proxy's class order).
+        target = HttpTarget(name, TargetSpec(urls=(endpoints.http_url,), connection_limit=8000), sc)
         try:
             rec = await run_schedule(
                 schedule,
