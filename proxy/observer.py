@@ -20,7 +20,8 @@ class RequestRecord:
     instance: str
     """The instance that answered, or ``-`` when none did (shed, unknown model, no instance)."""
     outcome: str
-    """``ok``, an error code's name (``unavailable``...), or ``shed_<reason>``."""
+    """``ok`` (gRPC) or Triton's HTTP status (``200``...), an error code's name of the proxy's
+    own (``unavailable``...), or ``shed_<reason>``."""
     latency_s: float
     """Arrival at the dispatcher to the end of the exchange."""
     queue_wait_s: float
@@ -35,6 +36,26 @@ class RequestRecord:
     """The canary arm that served it (``main`` or ``canary``)."""
     slo_s: float | None = None
     """Its class's latency objective in that arm (``slo_p99_ms``), if the class has one."""
+
+    @property
+    def succeeded(self) -> bool:
+        """Answered without an error (gRPC ``ok``, or an HTTP status below 400)."""
+        o = self.outcome
+        return o == "ok" or (o.isdigit() and int(o) < 400)
+
+    @property
+    def missed_service(self) -> bool:
+        """Refused or failed by the proxy or the server, not by the client's own mistake: shed,
+        unavailable, timed out, or a 5xx/429 from Triton. Counts as an SLO miss."""
+        o = self.outcome
+        if o.isdigit():
+            return int(o) >= 500 or int(o) == 429
+        return o.startswith("shed_") or o in _SERVICE_FAILURES
+
+
+_SERVICE_FAILURES = frozenset(
+    {"unavailable", "internal", "deadline_exceeded", "resource_exhausted", "error", "cancelled"}
+)
 
 
 class RequestObserver(Protocol):

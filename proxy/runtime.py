@@ -152,7 +152,7 @@ class Runtime:
             fleet=self.fleet,
             gates=lambda: self.gates,
             snapshots=self.scraper.snapshots,
-            applier=WindowApplier(self.fleet, self.model_control),
+            applier=WindowApplier(self.fleet, self.model_control, on_drain=self._poke_gates),
             clock=clock,
             telemetry=telemetry,
             # The control loops act only in the leader worker of the leader replica.
@@ -258,6 +258,10 @@ class Runtime:
             if gates is not None and share is not None:
                 gates.share = share
                 gates.poke()
+
+    def _poke_gates(self) -> None:
+        if self.gates is not None:
+            self.gates.poke()
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:

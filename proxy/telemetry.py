@@ -20,6 +20,7 @@ from prometheus_client.samples import Sample
 from proxy.observer import RequestRecord
 
 if TYPE_CHECKING:
+    from proxy.control.loops import ControlLoops
     from proxy.runtime import Runtime
 
 LATENCY_BUCKETS = (
@@ -217,7 +218,7 @@ class _FleetCollector(Collector):
         yield _buffered(rt)
         yield from _feedback(rt)
         yield from _classes(rt)
-        yield from _control(rt)
+        yield from control_metrics(rt.control)
 
 
 def _scraped(rt: Runtime) -> Iterator[Metric]:
@@ -321,8 +322,8 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     yield from (queued, running, capacity, adaptive, slo)
 
 
-def _control(rt: Runtime) -> Iterator[Metric]:
-    loops = rt.control
+def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
+    """The control loops' state: windows, targets, class limits, dry run, leadership."""
     window = GaugeMetricFamily(
         "triton_proxy_batching_window_seconds",
         "Triton's max_queue_delay_microseconds (as seconds) each instance runs for the model, "

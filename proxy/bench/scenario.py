@@ -175,6 +175,23 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class PhaseSpec:
+    """A stretch of the measured window with its own arrival rates (load that changes)."""
+
+    name: str
+    duration_s: float
+    rates: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Class -> ``rate_rps`` during the phase; a class not listed keeps its own rate."""
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        bad = {k: v for k, v in self.rates.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"rates must be >= 0, got {bad}")
+
+
+@dataclass(frozen=True)
 class Scenario:
     duration_s: float
     """Measured window, after the warm-up."""
@@ -186,6 +203,9 @@ class Scenario:
     timeout_s: float = 60.0
     """Per-request client timeout; a request that times out counts as an error."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    phases: tuple[PhaseSpec, ...] = ()
+    """Consecutive phases covering ``duration_s`` (their durations must add up to it); the
+    warm-up runs at the first phase's rates. None: one rate per class throughout."""
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0:
@@ -198,6 +218,36 @@ class Scenario:
             raise ValueError(f"repetitions must be >= 1, got {self.repetitions}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.phases:
+            total = sum(p.duration_s for p in self.phases)
+            if abs(total - self.duration_s) > 1e-6:
+                raise ValueError(
+                    f"phases last {total:g} s in all; duration_s must be the same "
+                    f"(got {self.duration_s:g})"
+                )
+            for p in self.phases:
+                unknown = sorted(set(p.rates) - set(self.classes))
+                if unknown:
+                    raise ValueError(f"phase {p.name!r} names unknown classes {unknown}")
+
+    def segments(self) -> list[tuple[str, float, float, Mapping[str, float]]]:
+        """(phase name, start, end, class -> rate) from time 0 of the schedule; the warm-up is
+        its own segment named ``warmup``."""
+        base = {n: c.rate_rps for n, c in self.classes.items()}
+        segs: list[tuple[str, float, float, Mapping[str, float]]] = []
+        if not self.phases:
+            if self.warmup_s:
+                segs.append(("warmup", 0.0, self.warmup_s, base))
+            segs.append(("all", self.warmup_s, self.horizon_s, base))
+            return segs
+        first = {**base, **self.phases[0].rates}
+        if self.warmup_s:
+            segs.append(("warmup", 0.0, self.warmup_s, first))
+        t = self.warmup_s
+        for p in self.phases:
+            segs.append((p.name, t, t + p.duration_s, {**base, **p.rates}))
+            t += p.duration_s
+        return segs
 
     @property
     def horizon_s(self) -> float:
@@ -237,6 +287,10 @@ class Scenario:
             "seed": self.seed,
             "repetitions": self.repetitions,
             "timeout_s": self.timeout_s,
+            "phases": [
+                {"name": p.name, "duration_s": p.duration_s, "rates": dict(p.rates)}
+                for p in self.phases
+            ],
             "classes": {
                 name: {
                     "rate_rps": c.rate_rps,
@@ -295,9 +349,16 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
     names = scenario.class_names
     for k, name in enumerate(names):
         spec = scenario.classes[name]
-        n = int(rng.poisson(spec.rate_rps * horizon))
-        t = rng.uniform(0.0, horizon, n)
-        in_burst = np.zeros(n, dtype=bool)
+        if scenario.phases:
+            parts = []
+            for _, lo, hi, rates in scenario.segments():
+                m = int(rng.poisson(rates[name] * (hi - lo)))
+                parts.append(rng.uniform(lo, hi, m))
+            t = np.concatenate(parts)
+        else:
+            n = int(rng.poisson(spec.rate_rps * horizon))
+            t = rng.uniform(0.0, horizon, n)
+        in_burst = np.zeros(t.size, dtype=bool)
         for b in spec.bursts:
             for start in b.starts(scenario.duration_s):
                 at = scenario.warmup_s + start

@@ -13,8 +13,10 @@ For each instance that serves the model and runs another window:
 5. wait until the model is ready again, then clear the mark.
 
 An instance is drained only while another healthy instance takes the model's requests; a
-fleet with a single instance is not reloaded (``no_other_instance``). A server not started with
-``--model-control-mode=explicit`` refuses the load: :attr:`ApplyResult.refused`.
+fleet with a single instance is not reloaded (``no_other_instance``). While an instance drains,
+the model's gate counts none of its slots (``ModelGates.capacity``), so the other instances are
+not pushed past theirs: the surplus waits in the class queues, in class order. A server not
+started with ``--model-control-mode=explicit`` refuses the load: :attr:`ApplyResult.refused`.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ class WindowApplier:
         control: ModelControl,
         *,
         on_window: Callable[[str, str, int | None], None] = lambda i, m, w: None,
+        on_drain: Callable[[], None] = lambda: None,
     ) -> None:
         self.fleet = fleet
         self.control = control
+        self.on_drain = on_drain
+        """Called after a drain mark is set or cleared: the gates' capacity changed."""
         self.on_window = on_window
         """Called with (instance, model, window_us) whenever an instance's window is learnt."""
 
@@ -71,7 +76,7 @@ class WindowApplier:
         self, model: str, window_us: int, *, drain_timeout_s: float, ready_timeout_s: float
     ) -> ApplyResult:
         result = ApplyResult()
-        for instance in list(self.fleet.healthy()):
+        for instance in list(self.fleet.serving(model)):
             try:
                 config = await self.control.config(instance, model)
             except ModelControlError as exc:
@@ -84,12 +89,15 @@ class WindowApplier:
             if current is None or current == window_us:
                 continue
             others = [
-                i for i in self.fleet.healthy() if i is not instance and model not in i.draining
+                i
+                for i in self.fleet.serving(model)
+                if i is not instance and model not in i.draining
             ]
             if not others:
                 result.failed = "no_other_instance"
                 return result
             instance.draining.add(model)
+            self.on_drain()
             try:
                 if not await self._drained(instance, model, drain_timeout_s):
                     result.failed = (
@@ -112,6 +120,7 @@ class WindowApplier:
                 self.on_window(instance.name, model, window_us)
             finally:
                 instance.draining.discard(model)
+                self.on_drain()
         return result
 
     async def _drained(self, instance: Instance, model: str, timeout_s: float) -> bool:

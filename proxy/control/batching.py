@@ -19,10 +19,13 @@ With ``w`` the current window, rules are tried in order (the first that matches 
 1. dwell: ``now - last_change < dwell_s`` -> nothing.
 2. ``p99[top] >= shorten_ratio * slo[top]`` -> **shorten** (``slo_violation`` when
    ``p99[top] > slo[top]``, else ``slo_approach``).
-3. ``q >= triton_queue_ratio * slo[top]`` -> **shorten** (``triton_queue``): Triton's queue
-   alone eats a large part of the top class's budget.
-4. every SLO class has ``p99[c] <= lengthen_ratio * slo[c]`` and ``b >= backlog_min`` ->
-   **lengthen** (``backlog``): every SLO holds with margin and there is work to batch.
+3. ``b < backlog_min`` and ``q >= triton_queue_ratio * slo[top]`` -> **shorten**
+   (``triton_queue``): without a backlog, Triton's queue time is the window's doing, and it
+   eats a large part of the top class's budget.
+4. every SLO class has ``p99[c] <= lengthen_ratio * slo[c]``, ``b >= backlog_min`` and
+   ``q`` is unknown or ``q >= fill_ratio * w`` -> **lengthen** (``backlog``): every SLO holds
+   with margin and there is work to batch. When Triton's mean queue time stays well under the
+   window, batches reach their preferred size before it expires and a longer one buys nothing.
 5. ``b < backlog_min / 2`` and ``w > min_us`` -> **shorten** (``idle``): without a backlog a
    longer window only adds waiting.
 
@@ -91,7 +94,11 @@ class BatchingController:
                 f"{top.slo_s * 1e3:.1f} ms",
             )  # fmt: skip
         q = s.triton_queue_us
-        if q is not None and q >= c.triton_queue_ratio * top.slo_s * 1e6:
+        if (
+            s.backlog < c.backlog_min
+            and q is not None
+            and q >= c.triton_queue_ratio * top.slo_s * 1e6
+        ):
             return self._step(
                 s, "down", "triton_queue",
                 f"triton queue {q / 1e3:.1f} ms vs {s.top} slo {top.slo_s * 1e3:.1f} ms",
@@ -99,7 +106,8 @@ class BatchingController:
         holding = all(
             k.p99_s is None or k.p99_s <= c.lengthen_ratio * k.slo_s for k in s.slo_classes.values()
         )
-        if holding and s.backlog >= c.backlog_min:
+        filling = q is None or q >= c.fill_ratio * w
+        if holding and filling and s.backlog >= c.backlog_min:
             return self._step(s, "up", "backlog", f"backlog {s.backlog:.1f}, every slo holds")
         if s.backlog < c.backlog_min / 2 and w > c.min_us:
             return self._step(s, "down", "idle", f"backlog {s.backlog:.1f}")

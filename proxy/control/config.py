@@ -27,6 +27,7 @@
         shorten_ratio: 0.9    # top class P99 >= 0.9 x SLO: shorten
         lengthen_ratio: 0.6   # every SLO class P99 <= 0.6 x SLO (and a backlog): lengthen
         triton_queue_ratio: 0.5
+        fill_ratio: 0.5
         backlog_min: 1.0
         drain_timeout_s: 10.0
         ready_timeout_s: 60.0
@@ -82,7 +83,11 @@ class BatchingConfig:
     shorten_ratio: float = 0.9
     lengthen_ratio: float = 0.6
     triton_queue_ratio: float = 0.5
-    """Shorten when Triton's mean queue time alone reaches this fraction of the top SLO."""
+    """Without a backlog, shorten when Triton's mean queue time reaches this fraction of the
+    top SLO."""
+    fill_ratio: float = 0.5
+    """Lengthen only while Triton's mean queue time is at least this fraction of the window
+    (below it, batches fill before the window expires)."""
     backlog_min: float = 1.0
     """Mean throughput backlog (requests) over the window needed to lengthen."""
     drain_timeout_s: float = 10.0
@@ -103,8 +108,8 @@ class BatchingConfig:
             raise ValueError("dwell_s must be >= 0")
         if not 0 < self.lengthen_ratio < self.shorten_ratio:
             raise ValueError("need 0 < lengthen_ratio < shorten_ratio (the gap is the hysteresis)")
-        if self.triton_queue_ratio <= 0:
-            raise ValueError("triton_queue_ratio must be > 0")
+        if self.triton_queue_ratio <= 0 or self.fill_ratio < 0:
+            raise ValueError("need triton_queue_ratio > 0 and fill_ratio >= 0")
         if self.backlog_min <= 0:
             raise ValueError("backlog_min must be > 0")
         if self.drain_timeout_s <= 0 or self.ready_timeout_s <= 0:

@@ -35,6 +35,9 @@ from proxy.telemetry import Telemetry
 
 log = logging.getLogger("proxy.control")
 
+MISS_FACTOR = 10.0
+"""A shed or failed request of an SLO class is recorded as this many times its SLO."""
+
 
 @dataclass(frozen=True)
 class ClassRoles:
@@ -107,15 +110,25 @@ class ControlLoops:
 
     # --- inputs ---------------------------------------------------------------------------
     def on_request(self, record: RequestRecord) -> None:
-        if record.outcome != "ok" or self.roles is None:
+        """An answered request of an SLO class adds its latency; one that was shed or failed
+        on the service's side adds ``MISS_FACTOR x`` its SLO (a miss, whatever its latency), so
+        a class whose requests do not come back does not look healthy."""
+        if self.roles is None or not self.config.any_enabled:
             return
-        if record.class_name not in self.roles.slo_s:
+        slo = self.roles.slo_s.get(record.class_name)
+        if slo is None:
             return
+        if record.succeeded:
+            latency = record.latency_s
+        elif record.missed_service:
+            latency = max(record.latency_s, MISS_FACTOR * slo)
+        else:
+            return  # the client's own mistake (bad input, unknown model)
         key = (record.model, record.class_name)
         w = self._latency.get(key)
         if w is None:
             w = self._latency[key] = WindowedQuantiles(self.config.window_s)
-        w.record(record.latency_s, record.at)
+        w.record(latency, record.at)
 
     def p99(self, model: str, class_name: str, now: float) -> float | None:
         w = self._latency.get((model, class_name))
@@ -281,7 +294,7 @@ class ControlLoops:
         self._report(d, f"{d.old / 1e3:g} ms -> {d.new / 1e3:g} ms")
         if not self.config.dry_run:
             self._applying[model] = asyncio.create_task(
-                self._apply(model, int(d.new)), name=f"control-window-{model}"
+                self.apply_window(model, int(d.new)), name=f"control-window-{model}"
             )
 
     async def _read_window(self, model: str) -> int | None:
@@ -296,7 +309,20 @@ class ControlLoops:
             return window
         return None
 
-    async def _apply(self, model: str, window_us: int) -> None:
+    @property
+    def off_models(self) -> frozenset[str]:
+        """Models the batching loop gave up on."""
+        return frozenset(self._off)
+
+    def applying(self, model: str) -> bool:
+        """A window change of ``model`` is under way."""
+        return model in self._applying
+
+    async def apply_window(self, model: str, window_us: int) -> None:
+        """Roll ``window_us`` out to every instance (drained, one at a time); never raises for
+        a server's refusal or failure, which it reports instead."""
+        if model in self._off:
+            return
         cfg = self.config.batching
         try:
             result = await self.applier.apply(
@@ -330,6 +356,11 @@ class ControlLoops:
                     window_us / 1e3,
                     ", ".join(result.changed) or "every instance already",
                 )
+        except (ModelControlError, OSError, ValueError) as exc:
+            # A background change must not die unseen; the next tick re-reads the window.
+            self.window_target.pop(model, None)
+            self.telemetry.control_apply_failures.labels("batching", model).inc()
+            log.error("batching window change of %s failed: %s", model, exc)
         finally:
             self._applying.pop(model, None)
 

@@ -104,8 +104,13 @@ class ModelGates:
         )
 
     def capacity(self, info: ModelInfo, model: str) -> int:
-        """Dispatch slots of the model's gate: the sum of its instances' slots."""
-        return sum(self.slots(inst.name, model, info) for inst in self.fleet.serving(model))
+        """Dispatch slots of the model's gate: the sum of its instances' slots (an instance
+        drained for a reload of the model counts none)."""
+        return sum(
+            self.slots(inst.name, model, info)
+            for inst in self.fleet.serving(model)
+            if model not in inst.draining
+        )
 
     def slots(self, instance: str, model: str, info: ModelInfo) -> int:
         """Requests of ``model`` that ``instance`` may hold (adaptive, or fixed/derived)."""

@@ -157,3 +157,47 @@ def test_shipped_scenarios_load(name):
     sc = load_scenario(ROOT / "benchmarks" / name)
     assert sc.model.name == "accel_sim"
     assert {"realtime", "online", "offline"} <= set(sc.classes)
+
+
+def test_phases_change_the_rates_over_time() -> None:
+    from proxy.bench.scenario import build_schedule, parse_scenario
+
+    sc = parse_scenario(
+        {
+            "duration_s": 30,
+            "warmup_s": 5,
+            "phases": [
+                {"name": "light", "duration_s": 10, "rates": {"b": 0}},
+                {"name": "surge", "duration_s": 20, "rates": {"b": 200}},
+            ],
+            "classes": {"a": {"rate_rps": 20}, "b": {"rate_rps": 0}},
+        }
+    )
+    assert [s[0] for s in sc.segments()] == ["warmup", "light", "surge"]
+    arrivals = build_schedule(sc, np.random.default_rng(3))
+    b_times = [a.t for a in arrivals if a.cls == "b"]
+    assert b_times and min(b_times) >= 15.0  # none during warm-up or the light phase
+    assert 3000 < len(b_times) < 5000  # 200/s for 20 s
+    a_count = sum(1 for a in arrivals if a.cls == "a")
+    assert 500 < a_count < 900  # 20/s for 35 s, every phase
+
+
+def test_phases_must_cover_the_duration() -> None:
+    from proxy.bench.scenario import parse_scenario
+
+    with pytest.raises(ValueError, match="duration_s must be the same"):
+        parse_scenario(
+            {
+                "duration_s": 30,
+                "phases": [{"name": "x", "duration_s": 10}],
+                "classes": {"a": {"rate_rps": 1}},
+            }
+        )
+    with pytest.raises(ValueError, match="unknown classes"):
+        parse_scenario(
+            {
+                "duration_s": 10,
+                "phases": [{"name": "x", "duration_s": 10, "rates": {"zz": 1}}],
+                "classes": {"a": {"rate_rps": 1}},
+            }
+        )

@@ -15,7 +15,9 @@ sys.path[:0] = [
     p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path
 ]
 
+import fcntl  # noqa: E402
 import json  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -57,6 +59,11 @@ class TritonPythonModel:
         torch.set_num_threads(int(params.get("torch_num_threads", "1")))
         self.base_ms = float(params.get("base_ms", "3"))
         self.per_token_us = float(params.get("per_token_us", "2"))
+        self.device_lock = None
+        if params.get("shared_device", "0") == "1":
+            # One lock file per server: every model instance's stub is a child of it.
+            path = os.path.join(tempfile.gettempdir(), f"accel_sim-device-{os.getppid()}.lock")
+            self.device_lock = open(path, "a")  # noqa: SIM115 - held for the model's life
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"accel_sim running on {self.device}", flush=True)  # read by device checks
         gen = torch.Generator().manual_seed(int(params.get("seed", "1234")))
@@ -102,8 +109,20 @@ class TritonPythonModel:
                     ]
                 )
             )
-        # The emulated device time covers the whole batch, the real work included.
-        remaining = cost_s - (time.monotonic() - started)
-        if remaining > 0:
-            time.sleep(remaining)
+        if self.device_lock is not None:
+            # The device is busy with another instance's batch: wait for it, then run ours.
+            fcntl.flock(self.device_lock, fcntl.LOCK_EX)
+            started = time.monotonic()
+        try:
+            # The emulated device time covers the whole batch, the real work included.
+            remaining = cost_s - (time.monotonic() - started)
+            if remaining > 0:
+                time.sleep(remaining)
+        finally:
+            if self.device_lock is not None:
+                fcntl.flock(self.device_lock, fcntl.LOCK_UN)
         return responses
+
+    def finalize(self) -> None:
+        if self.device_lock is not None:
+            self.device_lock.close()
