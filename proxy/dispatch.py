@@ -3,23 +3,26 @@
 admission (class queue, when scheduling is on) → placement (sequence affinity, else the routing
 policy) → in-flight token → send → outcome. A request that failed before any byte reached an
 instance is retried elsewhere, under the retry budget; frontends supply only ``send``, the
-protocol-specific forwarding, which receives the instance and the Triton priority to set.
+protocol-specific forwarding, which receives the instance and the parameters to set (the class's
+Triton priority, the rest of the client's deadline as Triton's ``timeout``). A request whose client
+deadline has passed is shed before dispatch and cancelled in flight (:mod:`.scheduling.deadline`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
-from proxy.fleet.catalog import ModelCatalog
+from proxy.fleet.catalog import ModelCatalog, ModelInfo
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
-from proxy.request import Call, InferParams
+from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
-from proxy.scheduling import Classifier, Shed, ShedReason
+from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -28,8 +31,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 OTHER_MODEL = "other"
 """Metric label of requests for models no instance knows."""
-Send = Callable[[Instance, int | None], Awaitable[T]]
-"""Forward the request to the instance, setting this Triton priority when not None."""
+Send = Callable[[Instance, Forward], Awaitable[T]]
+"""Forward the request to the instance, setting the parameters that ``Forward`` gives."""
 
 
 class Placement(Protocol):
@@ -57,6 +60,7 @@ class Dispatcher:
         admission: ModelGates | None = None,
         classifier: Classifier | None = None,
         max_retries: int = 1,
+        cancel_upstream: bool = True,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -67,6 +71,7 @@ class Dispatcher:
         self.admission = admission
         self.classifier = classifier
         self.max_retries = max_retries
+        self.cancel_upstream = cancel_upstream
 
     def reconfigure(
         self,
@@ -116,11 +121,7 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            if self.admission is None:
-                instance, result = await self._send(call, None, send, stream)
-            else:
-                async with self.admission.admit(call.model, info, klass) as priority:
-                    instance, result = await self._send(call, priority, send, stream)
+            instance, result = await self._serve(call, info, klass, send, stream)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -130,12 +131,51 @@ class Dispatcher:
         except ProxyError as exc:
             result_label = exc.code.name.lower()
             raise
+        except asyncio.CancelledError:
+            result_label = "cancelled"  # the client left
+            raise
         finally:
             self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
             self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
 
+    async def _serve(
+        self, call: Call, info: ModelInfo, klass: str, send: Send[T], stream: bool
+    ) -> tuple[Instance, T]:
+        """Admission and sending, within the client's deadline (docs/cancellation.md)."""
+        deadline.check(call.deadline, self.fleet.clock.now(), call.model)
+        work = self._admit_and_send(call, info, klass, send, stream)
+        if not self.cancel_upstream:
+            return await deadline.detached(work)
+        if stream:
+            # A stream's answer has begun once it is sent: its deadline is checked before
+            # dispatch only (a gRPC stream's upstream call carries the client's deadline).
+            return await work
+        return await deadline.before(call.deadline, self.fleet.clock, call.model, work)
+
+    async def _admit_and_send(
+        self, call: Call, info: ModelInfo, klass: str, send: Send[T], stream: bool
+    ) -> tuple[Instance, T]:
+        if self.admission is None:
+            return await self._send(call, info, None, send, stream)
+        async with self.admission.admit(call.model, info, klass) as priority:
+            # At the head of its class queue: a request whose deadline passed goes no further.
+            deadline.check(call.deadline, self.fleet.clock.now(), call.model)
+            return await self._send(call, info, priority, send, stream)
+
+    def _forward(self, call: Call, info: ModelInfo, priority: int | None) -> Forward:
+        """The parameters to set upstream: the class's priority, and what is left of the
+        client's deadline as Triton's ``timeout`` where the model's queue policy honours it."""
+        timeout_us = None
+        if self.cancel_upstream and call.deadline is not None:
+            level = priority if priority is not None else call.params.priority
+            if info.honours_timeout(level):
+                timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
+                    self.fleet.clock.now()
+                )
+        return Forward(priority, timeout_us)
+
     async def _send(
-        self, call: Call, priority: int | None, send: Send[T], stream: bool
+        self, call: Call, info: ModelInfo, priority: int | None, send: Send[T], stream: bool
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
@@ -143,7 +183,7 @@ class Dispatcher:
             instance = self._place(call, frozenset(tried))
             try:
                 with self.fleet.track(instance, call.model, stream=stream):
-                    result = await send(instance, priority)
+                    result = await send(instance, self._forward(call, info, priority))
             except UpstreamLostError as exc:
                 self._failed(instance, f"connection lost: {exc}")
                 raise ProxyError(

@@ -110,6 +110,7 @@ class Runtime:
             admission=self.gates,
             classifier=classifier,
             max_retries=config.routing.retry.max_retries,
+            cancel_upstream=config.limits.cancel_upstream,
         )
 
     # --- wiring -------------------------------------------------------------------------

@@ -31,10 +31,11 @@ from proxy.frontends.common import (
     shared_memory_call,
 )
 from proxy.frontends.http import HOP_BY_HOP
-from proxy.frontends.kserve_grpc import read_infer, with_parameter
+from proxy.frontends.kserve_grpc import read_infer, with_parameters
 from proxy.frontends.routes import check_model_name
-from proxy.request import Call
+from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
+from proxy.scheduling import deadline
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,13 @@ class GrpcFrontend:
         return _READY if self._rt().fleet.any_healthy() else _NOT_READY
 
     # --- inference ------------------------------------------------------------------------
-    def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
+    def _call(
+        self,
+        rt: Runtime,
+        request: bytes,
+        metadata: list[tuple[str, str | bytes]],
+        time_remaining: float | None,
+    ) -> Call:
         model, params = read_infer(request)
         if not model:
             raise ProxyError(
@@ -191,7 +198,13 @@ class GrpcFrontend:
         check_model_name(model)
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
-            model=model, headers=headers, params=params, session_key=rt.session_key(headers)
+            model=model,
+            headers=headers,
+            params=params,
+            session_key=rt.session_key(headers),
+            deadline=deadline.client_deadline(
+                rt.clock.now(), grpc_remaining_s=time_remaining, timeout_us=params.timeout_us
+            ),
         )
 
     async def _unary(
@@ -217,11 +230,12 @@ class GrpcFrontend:
         metadata = _metadata(context)
         forward = forward_metadata(metadata, rt.private_headers)
 
-        async def send(instance: Instance, priority: int | None) -> bytes:
-            data = _prioritized(request, priority)
+        async def send(instance: Instance, parameters: Forward) -> bytes:
+            data = _with_forward(request, parameters)
             return await self._unary(rt, instance, "ModelInfer", data, forward, context)
 
-        return await rt.dispatcher.run(self._call(rt, request, metadata), send)
+        call = self._call(rt, request, metadata, context.time_remaining())
+        return await rt.dispatcher.run(call, send)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
         """The whole stream stays on the instance chosen for its first request."""
@@ -234,10 +248,13 @@ class GrpcFrontend:
             metadata = _metadata(context)
             forward = forward_metadata(metadata, rt.private_headers)
 
-            async def send(instance: Instance, priority: int | None) -> None:
-                await self._relay_stream(rt, instance, priority, first, incoming, forward, context)
+            async def send(instance: Instance, parameters: Forward) -> None:
+                await self._relay_stream(
+                    rt, instance, parameters, first, incoming, forward, context
+                )
 
-            await rt.dispatcher.run(self._call(rt, first, metadata), send, stream=True)
+            call = self._call(rt, first, metadata, context.time_remaining())
+            await rt.dispatcher.run(call, send, stream=True)
         except (ProxyError, grpc.aio.AioRpcError) as exc:
             await abort_with(context, exc)
 
@@ -245,7 +262,7 @@ class GrpcFrontend:
         self,
         rt: Runtime,
         instance: Instance,
-        priority: int | None,
+        parameters: Forward,
         first: bytes,
         incoming: AsyncIterator[bytes],
         metadata: Metadata,
@@ -256,7 +273,7 @@ class GrpcFrontend:
         )
         try:
             try:
-                await upstream.write(_prioritized(first, priority))
+                await upstream.write(_with_forward(first, parameters))
             except grpc.aio.AioRpcError as exc:
                 # Only here can a stream be retried elsewhere: nothing else was taken from
                 # the client yet.
@@ -268,7 +285,10 @@ class GrpcFrontend:
                 model, params = read_infer(request)
                 rt.dispatcher.note_sequence(model, params, instance)
 
-            sender = asyncio.create_task(_send_requests(incoming, upstream, priority, on_request))
+            # Later requests of the stream get the class priority only: the stream's first
+            # request carried the deadline, which does not describe the others.
+            later = Forward(parameters.priority)
+            sender = asyncio.create_task(_send_requests(incoming, upstream, later, on_request))
             try:
                 async for response in upstream:
                     await context.write(response)
@@ -365,22 +385,24 @@ class GrpcFrontend:
         return handler
 
 
-def _prioritized(request: bytes, priority: int | None) -> bytes:
-    """The request with the Triton priority of its class, when scheduling assigns one."""
-    return request if priority is None else with_parameter(request, "priority", priority)
+def _with_forward(request: bytes, parameters: Forward) -> bytes:
+    """The request with the parameters the proxy sets (class priority, deadline's timeout)."""
+    if parameters == NO_FORWARD:
+        return request
+    return with_parameters(request, parameters.parameters())
 
 
 async def _send_requests(
     incoming: AsyncIterator[bytes],
     upstream: Any,
-    priority: int | None,
+    parameters: Forward,
     on_request: Callable[[bytes], None],
 ) -> None:
     """Relay the client's requests as they arrive, then half-close upstream."""
     try:
         async for request in incoming:
             on_request(request)
-            await upstream.write(_prioritized(request, priority))
+            await upstream.write(_with_forward(request, parameters))
         await upstream.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         return  # the upstream call ended; the response side reports how

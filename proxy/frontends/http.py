@@ -3,7 +3,8 @@
 Every request's raw target is canonicalised and matched against the explicit route table in
 :mod:`proxy.frontends.routes`; the upstream path is built from the match. Inference bodies are
 forwarded byte for byte through the instance's pooled client (decompressed first when the client
-compressed them); the proxy reads only the JSON header, and edits only the class's ``priority``.
+compressed them); the proxy reads only the JSON header, and edits only the class's ``priority``
+and the ``timeout`` left of the client's deadline (KServe ``timeout`` or ``Triton-Timeout-Ms``).
 Read-only routes are relayed to a ready instance, so Triton answers them exactly as it would.
 Credentials (the API-key header, the admin token) and the class header stay at the proxy.
 """
@@ -29,10 +30,11 @@ from proxy.frontends.common import (
     check_admin,
     shared_memory_call,
 )
-from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameter
+from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameters
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
-from proxy.request import Call
+from proxy.request import Call, Forward
 from proxy.runtime import Runtime
+from proxy.scheduling import deadline
 
 log = logging.getLogger(__name__)
 
@@ -157,20 +159,27 @@ class HttpFrontend:
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
         call_headers = {k.lower(): v for k, v in request.headers.items()}
+        params = read_params(body, header_length)
         call = Call(
             model=route.model,
             headers=call_headers,
-            params=read_params(body, header_length),
+            params=params,
             session_key=rt.session_key(call_headers),
+            deadline=deadline.client_deadline(
+                rt.clock.now(),
+                timeout_us=params.timeout_us,
+                header_s=deadline.parse_timeout_ms(call_headers.get(deadline.TIMEOUT_HEADER)),
+            ),
         )
         stream = route.kind is Kind.GENERATE_STREAM
 
-        async def send(instance: Instance, priority: int | None) -> web.StreamResponse:
+        async def send(instance: Instance, forward: Forward) -> web.StreamResponse:
             data, hdrs = body, headers
-            # Triton's generate extension has no request priority (a "priority" key there is
-            # only a custom parameter): its class order is the proxy's queue alone.
-            if priority is not None and infer:
-                data, length = with_parameter(body, header_length, "priority", priority)
+            # Triton's generate extension has no request priority or timeout (such keys there
+            # are only custom parameters): its class order is the proxy's queue alone.
+            values = forward.parameters()
+            if values and infer:
+                data, length = with_parameters(body, header_length, values)
                 if length is not None:
                     hdrs = headers.copy()
                     hdrs[HEADER_LENGTH] = length

@@ -8,6 +8,7 @@ only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -84,14 +85,18 @@ def read_infer(data: bytes) -> tuple[str, InferParams]:
     return request.model_name, params_from_mapping(values)
 
 
-def with_parameter(data: bytes, name: str, value: int) -> bytes:
-    """``data`` with request parameter ``name`` set to ``value`` (an ``int64_param``).
+def with_parameters(data: bytes, values: Mapping[str, int]) -> bytes:
+    """``data`` with each request parameter of ``values`` set (as ``int64_param``).
 
-    One encoded ``parameters`` map entry is appended: protobuf parsers merge repeated fields
+    Encoded ``parameters`` map entries are appended: protobuf parsers merge repeated fields
     and keep the last entry of a map key, so the original bytes need no re-serialisation and an
-    existing value of ``name`` is replaced whole. ``int64_param`` is what every Triton version
+    existing value of a name is replaced whole. ``int64_param`` is what every Triton version
     accepts for ``priority`` and ``timeout`` (newer ones also take ``uint64_param``).
     """
-    entry = pb.ModelInferRequest(parameters={name: pb.InferParameter(int64_param=value)})
+    if not values:
+        return data
+    entry = pb.ModelInferRequest(
+        parameters={name: pb.InferParameter(int64_param=value) for name, value in values.items()}
+    )
     encoded: bytes = entry.SerializeToString()
     return data + encoded

@@ -5,8 +5,9 @@ Bodies are forwarded untouched, with two exceptions that security needs:
 - a compressed inference body (``Content-Encoding: gzip`` or ``deflate``, which Triton
   accepts) is decompressed, bounded by the body limit, and forwarded uncompressed: otherwise
   the proxy could neither read its routing parameters nor enforce the class's priority;
-- when the request's class sets a Triton ``priority``, the JSON header gets that parameter,
-  whatever the client put there. A body whose JSON header cannot be read is then refused with
+- when the request's class sets a Triton ``priority`` (or the proxy hands on what is left of
+  the client's deadline as ``timeout``), the JSON header gets that parameter, whatever the
+  client put there. A body whose JSON header cannot be read is then refused with
   400 rather than passed through with the client's own priority.
 
 Only the JSON header (the whole body, or its first ``Inference-Header-Content-Length`` bytes
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Mapping
 
 from proxy.errors import Code, ProxyError
 from proxy.request import NO_PARAMS, InferParams, params_from_mapping
@@ -111,17 +113,17 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
 def _unreadable(why: str) -> ProxyError:
     return ProxyError(
         Code.INVALID_ARG,
-        f"triton-proxy could not set the request class's priority: {why}; "
+        f"triton-proxy could not set the request's priority or timeout: {why}; "
         "send a KServe v2 inference request whose JSON header is an object",
     )
 
 
-def with_parameter(
-    body: bytes, header_length: str | None, name: str, value: int
+def with_parameters(
+    body: bytes, header_length: str | None, values: Mapping[str, int]
 ) -> tuple[bytes, str | None]:
-    """Set one top-level request parameter; returns the new body and header length.
+    """Set top-level request parameters in one rewrite; returns the new body and header length.
 
-    Whatever the client sent for ``name`` is replaced. When the JSON header cannot spell a
+    Whatever the client sent for each name is replaced. When the JSON header cannot spell a
     ``parameters`` key (neither the literal key nor any ``\\u`` escape occurs in it), the object
     is spliced in after the opening brace, so a large JSON body is not re-serialised. Otherwise
     the header is parsed and re-written whole: duplicate keys collapse to the one the proxy set,
@@ -137,7 +139,8 @@ def with_parameter(
             raise _unreadable("the JSON header is not an object")
         rest = header[start + 1 :].lstrip()
         sep = b"" if rest.startswith(b"}") else b","
-        insert = b'"parameters":{"%s":%d}%s' % (name.encode(), value, sep)
+        entries = b",".join(b'"%s":%d' % (n.encode(), v) for n, v in values.items())
+        insert = b'"parameters":{%s}%s' % (entries, sep)
         new_header = header[: start + 1] + insert + rest
     else:
         try:
@@ -151,7 +154,7 @@ def with_parameter(
             params = doc["parameters"] = {}
         if not isinstance(params, dict):
             raise _unreadable("'parameters' is not an object")
-        params[name] = value
+        params.update(values)
         new_header = json.dumps(doc, separators=(",", ":")).encode()
     new_length = str(len(new_header)) if header_length is not None else None
     return new_header + tail, new_length
