@@ -215,10 +215,15 @@ class GrpcFrontend:
         request: bytes,
         metadata: Metadata,
         context: Any,
+        *,
+        client_deadline: bool = True,
     ) -> bytes:
+        """One call upstream; it carries the client's deadline unless ``client_deadline`` is
+        false (``limits.cancel_upstream: false``: abandoned work runs to its end)."""
+        remaining = context.time_remaining() if client_deadline else None
         try:
             return await rt.grpc_upstreams.unary(
-                instance, method_path(method), request, metadata, context.time_remaining()
+                instance, method_path(method), request, metadata, remaining
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _SERVER_TROUBLE:
@@ -232,7 +237,15 @@ class GrpcFrontend:
 
         async def send(instance: Instance, parameters: Forward) -> bytes:
             data = _with_forward(request, parameters)
-            return await self._unary(rt, instance, "ModelInfer", data, forward, context)
+            return await self._unary(
+                rt,
+                instance,
+                "ModelInfer",
+                data,
+                forward,
+                context,
+                client_deadline=rt.dispatcher.cancel_upstream,
+            )
 
         call = self._call(rt, request, metadata, context.time_remaining())
         return await rt.dispatcher.run(call, send)
