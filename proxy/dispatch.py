@@ -11,6 +11,7 @@ deadline has passed is shed before dispatch and cancelled in flight (:mod:`.sche
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -142,10 +143,12 @@ class Dispatcher:
         self, call: Call, info: ModelInfo, klass: str, send: Send[T], stream: bool
     ) -> tuple[Instance, T]:
         """Admission and sending, within the client's deadline (docs/cancellation.md)."""
+        if not self.cancel_upstream:
+            # As behind a proxy that ignores deadlines and departures: everything runs.
+            plain = dataclasses.replace(call, deadline=None)
+            return await deadline.detached(self._admit_and_send(plain, info, klass, send, stream))
         deadline.check(call.deadline, self.fleet.clock.now(), call.model)
         work = self._admit_and_send(call, info, klass, send, stream)
-        if not self.cancel_upstream:
-            return await deadline.detached(work)
         if stream:
             # A stream's answer has begun once it is sent: its deadline is checked before
             # dispatch only (a gRPC stream's upstream call carries the client's deadline).
@@ -166,7 +169,7 @@ class Dispatcher:
         """The parameters to set upstream: the class's priority, and what is left of the
         client's deadline as Triton's ``timeout`` where the model's queue policy honours it."""
         timeout_us = None
-        if self.cancel_upstream and call.deadline is not None:
+        if call.deadline is not None:
             level = priority if priority is not None else call.params.priority
             if info.honours_timeout(level):
                 timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
