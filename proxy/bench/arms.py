@@ -214,6 +214,8 @@ def proxy_policy(
 class ProxyEndpoints:
     http_url: str
     metrics_url: str | None
+    pid: int | None = None
+    """The proxy's process, when it runs in a child process."""
 
 
 class ProxyStartError(RuntimeError):
@@ -264,6 +266,7 @@ async def proxy_subprocess(
         )
         try:
             endpoints = await _wait_banner(proc, log_path, start_timeout_s)
+            endpoints.pid = proc.pid
             await wait_ready(endpoints.http_url, start_timeout_s, proc=proc, log=log_path)
             yield endpoints
         finally:
