@@ -52,6 +52,7 @@ class ProxyServer:
         rng: random.Random | None = None,
         telemetry: Telemetry | None = None,
         gate_observer: GateObserver | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
         watch_interval_s: float = 1.0,
         policy_loader: Callable[[Path], ProxyConfig] = load_file,
     ) -> None:
@@ -62,7 +63,12 @@ class ProxyServer:
         self.telemetry = telemetry or Telemetry()
         self.gate_observer = gate_observer
         self.runtime = Runtime(
-            config, self.clock, self.rng, self.telemetry, gate_observer=gate_observer
+            config,
+            self.clock,
+            self.rng,
+            self.telemetry,
+            gate_observer=gate_observer,
+            is_leader=is_leader,
         )
         self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None
@@ -90,6 +96,11 @@ class ProxyServer:
             self.telemetry.reloads.labels("error").inc()
             log.error("policy reload failed, keeping the running policy: %s", exc)
             return False
+        except Exception:
+            # A bug, not a bad file: say so with the traceback; the proxy keeps serving.
+            self.telemetry.reloads.labels("error").inc()
+            log.exception("policy reload failed unexpectedly, keeping the running policy")
+            return False
         self.config = config
         self.telemetry.reloads.labels("ok").inc()
         log.info("policy reloaded from %s", self.policy_path)
@@ -102,13 +113,18 @@ class ProxyServer:
         assert self.policy_path is not None
         seen = _stamp(self.policy_path)
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reload_wanted.wait(), self.watch_interval_s)
-            stamp = _stamp(self.policy_path)
-            if self._reload_wanted.is_set() or stamp != seen:
-                self._reload_wanted.clear()
-                seen = stamp
-                await self.reload()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reload_wanted.wait(), self.watch_interval_s)
+                stamp = _stamp(self.policy_path)
+                if self._reload_wanted.is_set() or stamp != seen:
+                    self._reload_wanted.clear()
+                    seen = stamp
+                    await self.reload()
+            except Exception:
+                # The watch must outlive anything one round meets.
+                log.exception("policy watch: unexpected error; watching on")
+                await asyncio.sleep(self.watch_interval_s)
 
     def current(self) -> Runtime:
         return self.runtime
@@ -118,7 +134,10 @@ class ProxyServer:
         await self.runtime.start()
         listen = self.config.listen
         app = HttpFrontend(self.current).app(self.config.limits.max_body_bytes)
-        self._http_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # stop() drains first; the runner's own timeout only covers writing the last answers.
+        self._http_runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._http_runner.setup()
         site = web.TCPSite(self._http_runner, listen.host, listen.http_port, reuse_address=True)
         await site.start()
@@ -164,24 +183,45 @@ class ProxyServer:
         return runner, runner.addresses[0][1]
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests drain (bounded), then cancel the rest."""
+        """Shut down without losing what was accepted.
+
+        Readiness turns false and the listeners close first (no new connection or call; idle
+        keep-alive connections close). Queued and in-flight requests then get up to
+        ``limits.drain_timeout_s`` to finish; requests still queued at the deadline get 503 /
+        UNAVAILABLE, and the in-flight ones left are cancelled.
+        """
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
             self._watch_task = None
+        rt = self.runtime
+        rt.draining = True
+        drain_s = self.config.limits.drain_timeout_s
         grpc_stopped = None
         if self._grpc_server is not None:
             # Refuses new calls at once, cancels those still running after the grace.
-            grpc_stopped = asyncio.create_task(
-                self._grpc_server.stop(self.config.limits.drain_timeout_s)
-            )
+            grpc_stopped = asyncio.create_task(self._grpc_server.stop(drain_s + 1.0))
             self._grpc_server = None
         if self._http_runner is not None:
-            await self._http_runner.shutdown()
-            deadline = self.clock.now() + self.config.limits.drain_timeout_s
-            while self.runtime.fleet.total_in_flight() and self.clock.now() < deadline:
-                await asyncio.sleep(0.05)
+            for site in list(self._http_runner.sites):
+                await site.stop()
+            if self._http_runner.server is not None:
+                self._http_runner.server.pre_shutdown()
+        deadline = self.clock.now() + drain_s
+        while self._unfinished() and self.clock.now() < deadline:
+            await asyncio.sleep(0.05)
+        if self._unfinished():
+            log.warning(
+                "drain timeout (%g s): %d requests still queued get 503, %d in flight are "
+                "cancelled",
+                drain_s,
+                rt.gates.queued_total() if rt.gates else 0,
+                rt.fleet.total_in_flight(),
+            )
+        if rt.gates is not None:
+            rt.gates.close()  # what is still queued gets 503 now
+        if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None
         if grpc_stopped is not None:
@@ -189,7 +229,11 @@ class ProxyServer:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
-        await self.runtime.stop()
+        await rt.stop()
+
+    def _unfinished(self) -> int:
+        rt = self.runtime
+        return rt.fleet.total_in_flight() + (rt.gates.queued_total() if rt.gates else 0)
 
     async def __aenter__(self) -> ProxyServer:
         await self.start()

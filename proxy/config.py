@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from proxy import strict
+from proxy.control.config import ControlConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
 from proxy.routing.config import RoutingConfig, check_policies
 from proxy.scheduling.config import SchedulingConfig
@@ -39,21 +40,35 @@ class ListenConfig:
 class LimitsConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted (HTTP and gRPC messages alike)."""
+    max_buffered_bytes: int = 1024 * 1024 * 1024
+    """Request bodies held in memory at once (queued and in flight); beyond: 429."""
     connect_timeout_s: float = 2.0
-    request_timeout_s: float | None = None
-    """Upper bound on one upstream exchange; None leaves it to the client's own timeout."""
+    """A connection not made in this time counts as "never reached": retried elsewhere."""
+    request_timeout_s: float | None = 120.0
+    """Longest wait for an instance's answer (HTTP: for its next bytes, so a stream may run
+    longer as long as events keep coming; gRPC unary: the whole call, or the client's deadline
+    if sooner). Past it the client gets 504 / DEADLINE_EXCEEDED. None: no limit."""
     connections_per_instance: int = 512
     drain_timeout_s: float = 10.0
-    """On shutdown, how long in-flight requests may finish before they are cancelled."""
+    """On shutdown, how long queued and in-flight requests may finish before they get 503 or
+    are cancelled."""
     cancel_upstream: bool = True
     """Stop work nobody waits for: a client that leaves (or whose deadline passes) cancels its
     request in the proxy's queue and upstream, and the rest of a client deadline is handed to
-    Triton as the request's ``timeout``. ``false`` lets such requests run to the end (their
-    answers are dropped): only for comparison (docs/cancellation.md)."""
+    Triton as the request's ``timeout``. ``false`` ignores deadlines and lets such requests run
+    to the end (their answers are dropped): only for comparison (docs/cancellation.md)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError("max_buffered_bytes must be >= max_body_bytes")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("connect_timeout_s must be > 0")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0 (or null for no limit)")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         if self.connections_per_instance < 1:
             raise ValueError("connections_per_instance must be >= 1")
 
@@ -107,6 +122,8 @@ class ProxyConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig | None = None
     """Priority classes; without this section every request is dispatched at once."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """The SLO feedback loops (class limits, batching window); all off by default."""
 
     def __post_init__(self) -> None:
         if not self.instances:

@@ -1,29 +1,39 @@
 """The one path every request takes from frontend to instance, whatever its protocol.
 
 admission (class queue, when scheduling is on) → placement (sequence affinity, else the routing
-policy) → in-flight token → send → outcome. A request that failed before any byte reached an
-instance is retried elsewhere, under the retry budget; frontends supply only ``send``, the
+policy) → in-flight token → send → outcome. Frontends supply only ``send``, the
 protocol-specific forwarding, which receives the instance and the parameters to set (the class's
-Triton priority, the rest of the client's deadline as Triton's ``timeout``). A request whose client
-deadline has passed is shed before dispatch and cancelled in flight (:mod:`.scheduling.deadline`).
+Triton priority, the rest of the client's deadline as Triton's ``timeout``). A request whose
+client deadline has passed is shed before dispatch and cancelled in flight
+(:mod:`proxy.scheduling.deadline`, docs/cancellation.md).
+
+Retried elsewhere, under the retry budget and ``max_retries``: a request that never reached its
+instance (refused, connect timeout); a stateless request (no sequence, model not decoupled)
+whose connection broke before any byte of the answer; a request the instance answered with
+"unknown model" for a model other instances serve (the model is then out of rotation on that
+instance until a probe finds it ready). A read timeout is answered 504 / DEADLINE_EXCEEDED and
+only asks for an early probe: one slow answer does not eject an instance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog, ModelInfo
-from proxy.fleet.instances import Fleet, Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.instances import Fleet, Instance, Work
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
+from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
+from proxy.scheduling.cost import CostModel
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -36,6 +46,27 @@ Send = Callable[[Instance, Forward], Awaitable[T]]
 """Forward the request to the instance, setting the parameters that ``Forward`` gives."""
 
 
+class ModelAbsentError(Exception):
+    """The instance answered that the model is unknown or not ready there.
+
+    ``answer`` is what the client gets if the request cannot go elsewhere: the frontend's
+    relayed response, or an exception to raise (Triton's own gRPC status).
+    """
+
+    def __init__(self, message: str, answer: object) -> None:
+        super().__init__(message)
+        self.answer = answer
+
+
+MODEL_ABSENT_MARKERS = ("Request for unknown model", "is not ready", "Model version not ready")
+"""Triton's words for "not this model here" (2.51: 404 / NOT_FOUND "Request for unknown model:
+'m' has no available versions" after an unload)."""
+
+
+def says_model_absent(message: str) -> bool:
+    return any(marker in message for marker in MODEL_ABSENT_MARKERS)
+
+
 class Placement(Protocol):
     def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
         """The instance for ``request`` among healthy ones not in ``exclude``; None if none."""
@@ -46,6 +77,18 @@ class RetryGate(Protocol):
     def record_request(self) -> None: ...
 
     def try_retry(self) -> bool: ...
+
+
+class _Trace:
+    """What one request's dispatch learnt on the way, for its :class:`RequestRecord`."""
+
+    __slots__ = ("alone", "inside_s", "queue_wait_s")
+
+    def __init__(self) -> None:
+        self.queue_wait_s = 0.0
+        self.alone = False
+        self.inside_s = 0.0
+        """Time from sending to the instance to its answer."""
 
 
 class Dispatcher:
@@ -61,6 +104,10 @@ class Dispatcher:
         admission: ModelGates | None = None,
         classifier: Classifier | None = None,
         max_retries: int = 1,
+        request_timeout_s: float | None = None,
+        on_lost: Callable[[Instance], None] = lambda _: None,
+        costs: CostModel | None = None,
+        observer: RequestObserver | None = None,
         cancel_upstream: bool = True,
     ) -> None:
         self.fleet = fleet
@@ -72,7 +119,15 @@ class Dispatcher:
         self.admission = admission
         self.classifier = classifier
         self.max_retries = max_retries
+        self.request_timeout_s = request_timeout_s
+        self.on_lost = on_lost
+        """Called when a connection to an instance failed or broke (reset its pool)."""
+        self.costs = costs if costs is not None else CostModel()
+        """Per-model request costs and service-time curves, learned from this traffic."""
+        self.observer = observer
+        """Told once about every finished request (telemetry and controllers subscribe)."""
         self.cancel_upstream = cancel_upstream
+        """``limits.cancel_upstream``: honour client deadlines and departures."""
 
     def reconfigure(
         self,
@@ -97,8 +152,11 @@ class Dispatcher:
         send: Send[T],
         *,
         stream: bool = False,
+        admit: bool = True,
         outcome: Callable[[T], str] = lambda _: "ok",
     ) -> T:
+        """Place and send one request. ``admit=False``: no class gate for the call itself
+        (a gRPC stream, whose messages pass the gate one by one through :meth:`admitted`)."""
         klass = self.classify(call)
         began = time.perf_counter()
         # Until the model is known, its metric label is "other": a client inventing names
@@ -106,15 +164,23 @@ class Dispatcher:
         model_label = OTHER_MODEL
         instance_name = "-"
         result_label = "error"
+        trace = _Trace()
         try:
             info = await self.catalog.info(call.model)
             if info is None:
-                raise ProxyError(
-                    Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
-                )
-            model_label = call.model
+                if admit:
+                    raise ProxyError(
+                        Code.NOT_FOUND, f"Request for unknown model: '{call.model}' is not found"
+                    )
+                # A stream whose first message names an unknown model: Triton answers that
+                # message in the stream, as it would without the proxy; placement keys its
+                # state by "other", never by the invented name.
+                call = dataclasses.replace(call, model=OTHER_MODEL)
+            else:
+                model_label = call.model
+                self.costs.observe_cost(call.model, call.cost)
             seq = call.params.sequence_id
-            if seq is not None:
+            if seq is not None and info is not None:
                 problem = info.sequence_id_problem(seq)
                 if problem is not None:
                     raise ProxyError(
@@ -122,7 +188,7 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            instance, result = await self._serve(call, info, klass, send, stream)
+            instance, result = await self._serve(call, info, klass, send, stream, admit, trace)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -136,19 +202,40 @@ class Dispatcher:
             result_label = "cancelled"  # the client left
             raise
         finally:
-            self.telemetry.requests.labels(model_label, klass, instance_name, result_label).inc()
-            self.telemetry.latency.labels(model_label, klass).observe(time.perf_counter() - began)
+            if self.observer is not None:
+                self.observer.on_request(
+                    RequestRecord(
+                        model=model_label,
+                        class_name=klass,
+                        instance=instance_name,
+                        outcome=result_label,
+                        latency_s=time.perf_counter() - began,
+                        queue_wait_s=trace.queue_wait_s,
+                        cost=call.cost,
+                        ran_alone=trace.alone,
+                        at=self.fleet.clock.now(),
+                    )
+                )
 
     async def _serve(
-        self, call: Call, info: ModelInfo, klass: str, send: Send[T], stream: bool
+        self,
+        call: Call,
+        info: ModelInfo | None,
+        klass: str,
+        send: Send[T],
+        stream: bool,
+        admit: bool,
+        trace: _Trace,
     ) -> tuple[Instance, T]:
         """Admission and sending, within the client's deadline (docs/cancellation.md)."""
         if not self.cancel_upstream:
             # As behind a proxy that ignores deadlines and departures: everything runs.
             plain = dataclasses.replace(call, deadline=None)
-            return await deadline.detached(self._admit_and_send(plain, info, klass, send, stream))
+            return await deadline.detached(
+                self._admit_and_send(plain, info, klass, send, stream, admit, trace)
+            )
         deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-        work = self._admit_and_send(call, info, klass, send, stream)
+        work = self._admit_and_send(call, info, klass, send, stream, admit, trace)
         if stream:
             # A stream's answer has begun once it is sent: its deadline is checked before
             # dispatch only (a gRPC stream's upstream call carries the client's deadline).
@@ -156,20 +243,32 @@ class Dispatcher:
         return await deadline.before(call.deadline, self.fleet.clock, call.model, work)
 
     async def _admit_and_send(
-        self, call: Call, info: ModelInfo, klass: str, send: Send[T], stream: bool
+        self,
+        call: Call,
+        info: ModelInfo | None,
+        klass: str,
+        send: Send[T],
+        stream: bool,
+        admit: bool,
+        trace: _Trace,
     ) -> tuple[Instance, T]:
-        if self.admission is None:
-            return await self._send(call, info, None, send, stream)
+        batch = info.max_batch_size if info is not None else 1
+        if self.admission is None or not admit or info is None:
+            placing = self._placing(call, klass, None, batch)
+            return await self._send(call, info, None, send, stream, placing, trace)
+        queued_at = time.perf_counter()
         async with self.admission.admit(call.model, info, klass) as priority:
+            trace.queue_wait_s = time.perf_counter() - queued_at
             # At the head of its class queue: a request whose deadline passed goes no further.
             deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-            return await self._send(call, info, priority, send, stream)
+            placing = self._placing(call, klass, priority, batch)
+            return await self._send(call, info, priority, send, stream, placing, trace)
 
-    def _forward(self, call: Call, info: ModelInfo, priority: int | None) -> Forward:
+    def _forward(self, call: Call, info: ModelInfo | None, priority: int | None) -> Forward:
         """The parameters to set upstream: the class's priority, and what is left of the
         client's deadline as Triton's ``timeout`` where the model's queue policy honours it."""
         timeout_us = None
-        if call.deadline is not None:
+        if call.deadline is not None and info is not None:
             level = priority if priority is not None else call.params.priority
             if info.honours_timeout(level):
                 timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
@@ -177,44 +276,134 @@ class Dispatcher:
                 )
         return Forward(priority, timeout_us)
 
+    def _placing(
+        self, call: Call, klass: str, priority: int | None, batch: int
+    ) -> tuple[RouteRequest, Work]:
+        """What placement needs to know about the request, and how to count it in flight."""
+        cap = None
+        if self.admission is not None:
+            cls = self.admission.config.classes.get(klass)
+            cap = cls.max_per_instance if cls is not None else None
+        long = cap is not None or self.costs.is_long(call.model, call.cost)
+        level = priority or 0
+        request = RouteRequest(
+            model=call.model,
+            session_key=call.session_key,
+            cost=call.cost,
+            class_name=klass,
+            level=level if priority is not None else None,
+            long=long,
+            class_cap=cap,
+            batch=max(1, batch),
+        )
+        return request, Work(class_name=klass, level=level, long=long)
+
     async def _send(
-        self, call: Call, info: ModelInfo, priority: int | None, send: Send[T], stream: bool
+        self,
+        call: Call,
+        info: ModelInfo | None,
+        priority: int | None,
+        send: Send[T],
+        stream: bool,
+        placing: tuple[RouteRequest, Work],
+        trace: _Trace,
     ) -> tuple[Instance, T]:
         tried: set[str] = set()
         self.retries.record_request()
+        request, work = placing
         while True:
-            instance = self._place(call, frozenset(tried))
+            instance = self._place(call, request, frozenset(tried))
             try:
-                with self.fleet.track(instance, call.model, stream=stream):
+                # Ran alone: no other request of the model on the instance when it was sent
+                # nor when it finished, so its time is one batch of itself (the cost model).
+                alone = not instance.model_in_flight.get(call.model)
+                sent_at = time.perf_counter()
+                with self.fleet.track(instance, call.model, stream=stream, work=work):
                     result = await send(instance, self._forward(call, info, priority))
-            except UpstreamLostError as exc:
-                self._failed(instance, f"connection lost: {exc}")
-                raise ProxyError(
-                    Code.UNAVAILABLE,
-                    f"connection to Triton instance '{instance.name}' was lost while it "
-                    f"handled the request ({exc})",
-                ) from exc
+                    trace.alone = alone and instance.model_in_flight.get(call.model) == 1
+                    in_flight = instance.model_in_flight.get(call.model, 0)
+                trace.inside_s = time.perf_counter() - sent_at
+                if not stream:
+                    if trace.alone:
+                        self.costs.observe_alone(call.model, call.cost, trace.inside_s)
+                    if self.admission is not None:
+                        self.admission.observe_inside(
+                            instance.name,
+                            call.model,
+                            work.class_name,
+                            trace.inside_s,
+                            in_flight,
+                            self.costs.batch_seconds(call.model, request.batch),
+                        )
             except UpstreamConnectError as exc:
-                self._failed(instance, f"connection failed: {exc}")
-                tried.add(instance.name)
+                self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)
                 if self._continues_sequence(call):
                     raise ProxyError(
                         Code.UNAVAILABLE,
                         f"instance '{instance.name}' holding sequence "
                         f"{call.params.sequence_id} of model '{call.model}' is unavailable",
                     ) from exc
-                if len(tried) > self.max_retries or not self.retries.try_retry():
-                    raise ProxyError(
-                        Code.UNAVAILABLE,
-                        f"Triton instance '{instance.name}' is unreachable ({exc}); no retry left",
-                    ) from exc
+                failure = ProxyError(
+                    Code.UNAVAILABLE, f"Triton instance '{instance.name}' is unreachable ({exc})"
+                )
+            except UpstreamLostError as exc:
+                self._failed(instance, f"connection lost: {exc}")
+                failure = ProxyError(
+                    Code.UNAVAILABLE,
+                    f"connection to Triton instance '{instance.name}' was lost while it "
+                    f"handled the request ({exc})",
+                )
+                if not (exc.before_response and await self._stateless(call)):
+                    raise failure from exc
+            except UpstreamTimeoutError as exc:
+                # Busy is not dead: the probe decides whether the instance still answers.
+                self.fleet.probe_soon(instance)
+                limit = f"{self.request_timeout_s:g} s" if self.request_timeout_s else "its limit"
+                raise ProxyError(
+                    Code.DEADLINE_EXCEEDED,
+                    f"Triton instance '{instance.name}' did not answer the request for model "
+                    f"'{call.model}' within {limit} (limits.request_timeout_s)",
+                ) from exc
+            except ModelAbsentError as exc:
+                if self._continues_sequence(call) or await self.catalog.info(call.model) is None:
+                    return instance, _answer(cast(T, exc.answer))  # Triton's answer stands
+                self.fleet.exclude_model(instance, call.model, str(exc))
+                tried.add(instance.name)
+                others = [i for i in self.fleet.serving(call.model) if i.name not in tried]
+                if not others or len(tried) > self.max_retries or not self.retries.try_retry():
+                    return instance, _answer(cast(T, exc.answer))
                 self.telemetry.retries.inc()
                 continue
-            instance.last_answer_at = self.fleet.clock.now()
-            seq = call.params.sequence_id
-            if seq is not None and call.params.sequence_end:
-                self.affinity.end(call.model, seq)
-            return instance, result
+            else:
+                self.fleet.report_answer(instance)
+                seq = call.params.sequence_id
+                if seq is not None and call.params.sequence_end:
+                    self.affinity.end(call.model, seq)
+                return instance, result
+            tried.add(instance.name)
+            if len(tried) > self.max_retries or not self.retries.try_retry():
+                raise ProxyError(failure.code, f"{failure.message}; no retry left") from failure
+            self.telemetry.retries.inc()
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, model: str, klass: str) -> AsyncIterator[int | None]:
+        """One message of a stream through the model's class gate; yields its Triton priority.
+
+        The slot is held until the block exits (the caller exits it when the message's answer
+        arrives), so an idle stream holds none.
+        """
+        info = await self.catalog.info(model) if self.admission is not None else None
+        if self.admission is None or info is None:
+            yield None
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                priority = await stack.enter_async_context(self.admission.admit(model, info, klass))
+            except Shed as shed:
+                label = f"shed_{shed.reason.value}"
+                self.telemetry.requests.labels(model, klass, "-", label).inc()
+                raise _shed_error(model, shed) from shed
+            yield priority
 
     async def any_ready(self, send: Callable[[Instance], Awaitable[T]]) -> T:
         """Read-only calls (metadata, config, statistics): the first ready instance that
@@ -225,7 +414,11 @@ class Dispatcher:
                 return await send(instance)
             except (UpstreamConnectError, UpstreamLostError) as exc:
                 what = "lost" if isinstance(exc, UpstreamLostError) else "failed"
-                self._failed(instance, f"connection {what}: {exc}")
+                refused = isinstance(exc, UpstreamConnectError) and exc.refused
+                self._failed(instance, f"connection {what}: {exc}", immediate=refused)
+                last = exc
+            except UpstreamTimeoutError as exc:
+                self.fleet.probe_soon(instance)
                 last = exc
         raise ProxyError(
             Code.UNAVAILABLE,
@@ -242,28 +435,47 @@ class Dispatcher:
         else:
             self.affinity.bind(model, seq, instance.name)
 
-    def _failed(self, instance: Instance, reason: str) -> None:
-        self.fleet.report_failure(instance, reason)
-        self.affinity.forget_instance(instance.name)
+    def _failed(self, instance: Instance, reason: str, *, immediate: bool = False) -> None:
+        self.fleet.report_failure(instance, reason, immediate=immediate)
+        self.on_lost(instance)
 
     def _continues_sequence(self, call: Call) -> bool:
         return call.params.sequence_id is not None and not call.params.sequence_start
 
-    def _place(self, call: Call, exclude: frozenset[str]) -> Instance:
+    async def _stateless(self, call: Call) -> bool:
+        """Whether sending the request twice is harmless: no sequence, not decoupled."""
+        if call.params.sequence_id is not None:
+            return False
+        info = await self.catalog.info(call.model)
+        return info is not None and not info.decoupled
+
+    def _place(self, call: Call, request: RouteRequest, exclude: frozenset[str]) -> Instance:
         seq = call.params.sequence_id
         if seq is not None and not call.params.sequence_start:
             name = self.affinity.lookup(call.model, seq)
-            if name is not None:
-                instance = self.fleet.get(name)
-                if instance.healthy:
-                    return instance
-        request = RouteRequest(model=call.model, session_key=call.session_key, cost=call.cost)
+            bound = self.fleet.instances.get(name) if name is not None else None
+            if name is not None and bound is None:
+                self.affinity.forget_instance(name, "was removed by a policy reload")
+            elif bound is not None and bound.healthy:
+                return bound
+            why = self.affinity.orphaned(call.model, seq)
+            if why is not None:
+                # Its state lives (lived) on that instance alone: another one would start it
+                # afresh or refuse it, so say what happened instead.
+                raise ProxyError(
+                    Code.INVALID_ARG,
+                    f"inference request for sequence {seq!r} to model '{call.model}' refused "
+                    f"by triton-proxy: the Triton instance holding the sequence {why}; its "
+                    "state is gone, start the sequence again (sequence_start)",
+                )
         picked = self.placement.pick(request, exclude)
         if picked is None:
             down = ", ".join(
                 f"{i.name}: {i.ejected_reason or 'not ready'}"
-                for i in self.fleet.all()
                 if not i.healthy
+                else f"{i.name}: model out ({i.models_out[call.model].reason})"
+                for i in self.fleet.all()
+                if not i.serves(call.model)
             )
             raise ProxyError(
                 Code.UNAVAILABLE,
@@ -278,6 +490,13 @@ class Dispatcher:
         return instance
 
 
+def _answer(answer: T) -> T:
+    """Triton's own answer, relayed: a response, or its error status raised."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
 def _shed_error(model: str, shed: Shed) -> ProxyError:
     if shed.reason is ShedReason.SHUTDOWN:
         return ProxyError(Code.UNAVAILABLE, "triton-proxy is shutting down")
@@ -285,6 +504,7 @@ def _shed_error(model: str, shed: Shed) -> ProxyError:
         ShedReason.QUEUE_FULL: "its class queue is full",
         ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
         ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
+        ShedReason.LATE: "it would be answered after its class's slo_p99_ms",
     }.get(shed.reason, shed.reason.value)
     return ProxyError(
         Code.RESOURCE_EXHAUSTED,

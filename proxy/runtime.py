@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
+from proxy.budget import ByteBudget
 from proxy.clock import Clock
 from proxy.config import ProxyConfig
+from proxy.control.apply import WindowApplier
+from proxy.control.loops import ControlLoops
 from proxy.dispatch import Dispatcher
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog
 from proxy.fleet.grpc_upstream import GrpcUpstreams
 from proxy.fleet.health import HealthChecker
 from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.model_control import ModelControl
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
 from proxy.frontends.common import private_headers
+from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.models import FanOutObserver, ModelGates
-from proxy.telemetry import Telemetry
+from proxy.telemetry import RequestTelemetry, Telemetry
 
 
 class _GateTelemetry(GateObserver):
@@ -51,6 +54,7 @@ class Runtime:
         telemetry: Telemetry,
         *,
         gate_observer: GateObserver | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.private_headers = private_headers(config)
@@ -73,6 +77,9 @@ class Runtime:
             request_timeout_s=config.limits.request_timeout_s,
         )
         self.health = HealthChecker(self.fleet)
+        self.budget = ByteBudget(config.limits.max_buffered_bytes)
+        self.draining = False
+        """Shutdown began: readiness answers "not ready" (see ``ProxyServer.stop``)."""
         self.affinity = SequenceAffinity(
             clock,
             max_entries=config.sequences.max_entries,
@@ -89,7 +96,7 @@ class Runtime:
         )
         self.router = Router(config.routing, clock, rng)
         self.placement = FleetPlacement(
-            self.fleet, self.upstreams, self._choose, self.scraper.snapshot
+            self.fleet, self.upstreams, self._choose, self.scraper.snapshot, self._slot_limit
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -100,6 +107,21 @@ class Runtime:
         if config.scheduling is not None:
             self.gates = ModelGates(config.scheduling, self.fleet, clock, self._gate_observer)
             classifier = Classifier(config.scheduling)
+        self.observers = RequestObservers([RequestTelemetry(telemetry)])
+        """Every finished request fans out from here (telemetry, control loops)."""
+        self.model_control = ModelControl(self.upstreams)
+        self.control = ControlLoops(
+            config.control,
+            config.scheduling,
+            fleet=self.fleet,
+            gates=lambda: self.gates,
+            snapshots=self.scraper.snapshots,
+            applier=WindowApplier(self.fleet, self.model_control),
+            clock=clock,
+            telemetry=telemetry,
+            is_leader=is_leader,
+        )
+        self.observers.add(self.control)
         self.dispatcher = Dispatcher(
             self.fleet,
             self.placement,
@@ -110,6 +132,9 @@ class Runtime:
             admission=self.gates,
             classifier=classifier,
             max_retries=config.routing.retry.max_retries,
+            request_timeout_s=config.limits.request_timeout_s,
+            on_lost=self.upstreams.reset,
+            observer=self.observers,
             cancel_upstream=config.limits.cancel_upstream,
         )
 
@@ -126,79 +151,17 @@ class Runtime:
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
             self.telemetry.ejections.labels(instance.name).inc()
-            self.affinity.forget_instance(instance.name)
+            self.affinity.forget_instance(instance.name, f"was ejected ({instance.ejected_reason})")
+
+    def ready(self) -> bool:
+        """What the proxy's own readiness endpoints answer."""
+        return not self.draining and self.fleet.any_healthy()
+
+    def _slot_limit(self, instance: str, model: str) -> int | None:
+        return self.gates.slot_limit(instance, model) if self.gates is not None else None
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None
-
-    # --- telemetry ----------------------------------------------------------------------
-    def extra_metrics(self) -> Iterator[Metric]:
-        """Scraped load, feedback weights and class queues, read at scrape time."""
-        pending = GaugeMetricFamily(
-            "triton_proxy_scraped_pending_requests",
-            "nv_inference_pending_request_count as last scraped, by instance and model",
-            labels=["instance", "model"],
-        )
-        queue_us = GaugeMetricFamily(
-            "triton_proxy_scraped_queue_seconds",
-            "Mean Triton queue time per request over the scrape window",
-            labels=["instance", "model"],
-        )
-        compute_us = GaugeMetricFamily(
-            "triton_proxy_scraped_compute_seconds",
-            "Mean Triton compute time per request over the scrape window",
-            labels=["instance", "model"],
-        )
-        age = GaugeMetricFamily(
-            "triton_proxy_scrape_age_seconds",
-            "Age of the instance's last metrics snapshot",
-            labels=["instance"],
-        )
-        now = self.clock.now()
-        for name, snap in self.scraper.snapshots().items():
-            age.add_metric([name], now - snap.taken_at)
-            for model, load in snap.models.items():
-                pending.add_metric([name, model], load.pending)
-                if load.queue_us is not None:
-                    queue_us.add_metric([name, model], load.queue_us / 1e6)
-                if load.compute_us is not None:
-                    compute_us.add_metric([name, model], load.compute_us / 1e6)
-        yield from (pending, queue_us, compute_us, age)
-        if self.router.feedback is not None:
-            weight = GaugeMetricFamily(
-                "triton_proxy_instance_feedback_weight",
-                "Selection weight from instance feedback (1 = no penalty)",
-                labels=["instance", "model"],
-            )
-            for inst in self.fleet.all():
-                for model in self.catalog.known():
-                    current = self.router.feedback.current(inst.name, model)
-                    weight.add_metric([inst.name, model], current)
-            yield weight
-        if self.gates is not None:
-            queued = GaugeMetricFamily(
-                "triton_proxy_class_queued",
-                "Requests waiting in the proxy's class queue, by model and class",
-                labels=["model", "class"],
-            )
-            running = GaugeMetricFamily(
-                "triton_proxy_class_in_flight",
-                "Requests of the class dispatched and not yet finished, by model",
-                labels=["model", "class"],
-            )
-            capacity = GaugeMetricFamily(
-                "triton_proxy_model_capacity",
-                "Dispatch slots of the model's gate (healthy instances x concurrency)",
-                labels=["model"],
-            )
-            for model, gate in self.gates.gates.items():
-                info = self.catalog.cached(model)
-                if info is not None:
-                    capacity.add_metric([model], self.gates.capacity(info))
-                for klass in gate.config.classes:
-                    queued.add_metric([model, klass], gate.queued(klass))
-                    running.add_metric([model, klass], gate.in_flight(klass))
-            yield from (queued, running, capacity)
 
     # --- reload -------------------------------------------------------------------------
     async def apply(self, config: ProxyConfig) -> list[str]:
@@ -215,6 +178,11 @@ class Runtime:
             for name in ("listen", "limits", "sequences", "scrape")
             if getattr(config, name) != getattr(self.config, name)
         ]
+        new_specs = {i.name: i for i in config.instances}
+        for inst in self.fleet.all():
+            if new_specs.get(inst.name) != inst.spec:
+                # Its open sequences cannot follow it (their state lives on that server).
+                self.affinity.forget_instance(inst.name, "was removed by a policy reload")
         self.fleet.set_specs(config.instances, config.health)
         self.scraper.set_targets({i.name: i.metrics for i in config.instances if i.metrics})
         await self.upstreams.retire({i.name for i in config.instances})
@@ -233,6 +201,7 @@ class Runtime:
             retries=router.retry_budget,
             max_retries=config.routing.retry.max_retries,
         )
+        self.control.reconfigure(config.control, config.scheduling)
         self.config = config
         self.private_headers = private_headers(config)
         return restart_only
@@ -241,8 +210,10 @@ class Runtime:
     async def start(self) -> None:
         await self.health.start()
         await self.scraper.start()
+        await self.control.start()
 
     async def stop(self) -> None:
+        await self.control.stop()
         if self.gates is not None:
             self.gates.close()
         await self.catalog.close()

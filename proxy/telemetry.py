@@ -1,7 +1,9 @@
 """Every metric the proxy exports, on an injected registry (no global one).
 
-Counters and histograms are updated on the request path; fleet state (health, in-flight,
-scraped load) is read at scrape time by a collector, so it never goes stale in between.
+Counters and histograms are updated on the request path (per request through
+:class:`RequestTelemetry`, a subscriber of the runtime's request observer); fleet state
+(health, in-flight, scraped load, class queues, control loops) is read at scrape time by a
+collector, so it never goes stale in between. Every family is defined in this module.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from proxy.observer import RequestRecord
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
@@ -81,6 +85,32 @@ class Telemetry:
             ["result"],
             registry=r,
         )
+        self.control = Counter(
+            "triton_proxy_control_decisions",
+            "Changes made by the SLO control loops, by loop, model, direction and reason",
+            ["loop", "model", "direction", "reason"],
+            registry=r,
+        )
+        self.control_dry_run_decisions = Counter(
+            "triton_proxy_control_dry_run_decisions",
+            "Changes the SLO control loops would have made (control.dry_run), by loop, model, "
+            "direction and reason",
+            ["loop", "model", "direction", "reason"],
+            registry=r,
+        )
+        self.control_apply_failures = Counter(
+            "triton_proxy_control_apply_failures",
+            "Changes that could not be applied on every instance (drain timeout, load error)",
+            ["loop", "model"],
+            registry=r,
+        )
+        self.control_off = Counter(
+            "triton_proxy_control_off",
+            "A loop gave up on a model (reason: refused = Triton is not in explicit model "
+            "control mode; no_dynamic_batching)",
+            ["loop", "model", "reason"],
+            registry=r,
+        )
         self._fleet_collector: _FleetCollector | None = None
 
     def watch(self, runtime: Callable[[], Runtime]) -> None:
@@ -91,6 +121,19 @@ class Telemetry:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTelemetry:
+    """Counts and times every finished request (a :class:`proxy.observer.RequestObserver`)."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.t = telemetry
+
+    def on_request(self, record: RequestRecord) -> None:
+        self.t.requests.labels(
+            record.model, record.class_name, record.instance, record.outcome
+        ).inc()
+        self.t.latency.labels(record.model, record.class_name).observe(record.latency_s)
 
 
 class _FleetCollector(Collector):
@@ -122,4 +165,126 @@ class _FleetCollector(Collector):
         yield healthy
         yield in_flight
         yield model_in_flight
-        yield from rt.extra_metrics()
+        yield from _scraped(rt)
+        yield from _feedback(rt)
+        yield from _classes(rt)
+        yield from _control(rt)
+
+
+def _scraped(rt: Runtime) -> Iterator[Metric]:
+    pending = GaugeMetricFamily(
+        "triton_proxy_scraped_pending_requests",
+        "nv_inference_pending_request_count as last scraped, by instance and model",
+        labels=["instance", "model"],
+    )
+    queue_us = GaugeMetricFamily(
+        "triton_proxy_scraped_queue_seconds",
+        "Mean Triton queue time per request over the scrape window",
+        labels=["instance", "model"],
+    )
+    compute_us = GaugeMetricFamily(
+        "triton_proxy_scraped_compute_seconds",
+        "Mean Triton compute time per request over the scrape window",
+        labels=["instance", "model"],
+    )
+    age = GaugeMetricFamily(
+        "triton_proxy_scrape_age_seconds",
+        "Age of the instance's last metrics snapshot",
+        labels=["instance"],
+    )
+    now = rt.clock.now()
+    for name, snap in rt.scraper.snapshots().items():
+        age.add_metric([name], now - snap.taken_at)
+        for model, load in snap.models.items():
+            pending.add_metric([name, model], load.pending)
+            if load.queue_us is not None:
+                queue_us.add_metric([name, model], load.queue_us / 1e6)
+            if load.compute_us is not None:
+                compute_us.add_metric([name, model], load.compute_us / 1e6)
+    yield from (pending, queue_us, compute_us, age)
+
+
+def _feedback(rt: Runtime) -> Iterator[Metric]:
+    if rt.router.feedback is None:
+        return
+    weight = GaugeMetricFamily(
+        "triton_proxy_instance_feedback_weight",
+        "Selection weight from instance feedback (1 = no penalty)",
+        labels=["instance", "model"],
+    )
+    for inst in rt.fleet.all():
+        for model in rt.catalog.known():
+            weight.add_metric([inst.name, model], rt.router.feedback.current(inst.name, model))
+    yield weight
+
+
+def _classes(rt: Runtime) -> Iterator[Metric]:
+    if rt.gates is None:
+        return
+    queued = GaugeMetricFamily(
+        "triton_proxy_class_queued",
+        "Requests waiting in the proxy's class queue, by model and class",
+        labels=["model", "class"],
+    )
+    running = GaugeMetricFamily(
+        "triton_proxy_class_in_flight",
+        "Requests of the class dispatched and not yet finished, by model",
+        labels=["model", "class"],
+    )
+    capacity = GaugeMetricFamily(
+        "triton_proxy_model_capacity",
+        "Dispatch slots of the model's gate (healthy instances x concurrency)",
+        labels=["model"],
+    )
+    for model, gate in rt.gates.gates.items():
+        info = rt.catalog.cached(model)
+        if info is not None:
+            capacity.add_metric([model], rt.gates.capacity(info, model))
+        for klass in gate.config.classes:
+            queued.add_metric([model, klass], gate.queued(klass))
+            running.add_metric([model, klass], gate.in_flight(klass))
+    adaptive = GaugeMetricFamily(
+        "triton_proxy_adaptive_concurrency",
+        "Requests of the model the instance may hold, as adaptive concurrency set it",
+        labels=["model", "instance"],
+    )
+    if rt.gates.adaptive is not None:
+        for (instance, model), limit in rt.gates.adaptive.current().items():
+            adaptive.add_metric([model, instance], limit)
+    yield from (queued, running, capacity, adaptive)
+
+
+def _control(rt: Runtime) -> Iterator[Metric]:
+    loops = rt.control
+    window = GaugeMetricFamily(
+        "triton_proxy_batching_window_seconds",
+        "Triton's max_queue_delay_microseconds (as seconds) each instance runs for the model, "
+        "as the batching-window loop last read or set it",
+        labels=["model", "instance"],
+    )
+    target = GaugeMetricFamily(
+        "triton_proxy_batching_window_target_seconds",
+        "The window the batching-window loop wants for the model (in dry run: would set)",
+        labels=["model"],
+    )
+    limit = GaugeMetricFamily(
+        "triton_proxy_class_limit",
+        "Share of the model's slots a class below the top one may hold (max_share x the "
+        "class-limit loop's factor; in dry run: what it would set)",
+        labels=["model", "class"],
+    )
+    dry = GaugeMetricFamily(
+        "triton_proxy_control_dry_run", "1 when the control loops only report (control.dry_run)"
+    )
+    leader = GaugeMetricFamily(
+        "triton_proxy_control_leader", "1 when this process runs the control loops"
+    )
+    for (instance, model), us in sorted(loops.windows.items()):
+        window.add_metric([model, instance], us / 1e6)
+    for model, us in sorted(loops.window_target.items()):
+        target.add_metric([model], us / 1e6)
+    for model, klass, share in loops.class_limits():
+        limit.add_metric([model, klass], share)
+    dry.add_metric([], 1.0 if loops.config.dry_run else 0.0)
+    leader.add_metric([], 1.0 if loops.is_leader() else 0.0)
+    yield from (window, target, limit, dry, leader)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from proxy.bench.histogram import Histogram
 from proxy.bench.runner import PENDING, Outcome, RunRecords
 from proxy.bench.scenario import Arrival, Scenario
+from proxy.stats.histogram import Histogram
 
 US = 1_000_000
 

@@ -20,6 +20,9 @@ class SequenceAffinity:
         self._max = max_entries
         self._idle = idle_timeout_s
         self._table: OrderedDict[tuple[str, int | str], tuple[str, float]] = OrderedDict()
+        self._orphans: OrderedDict[tuple[str, int | str], tuple[str, float]] = OrderedDict()
+        """Sequences whose instance left: ``key -> (why, last seen)``, so their next requests
+        get a clear error instead of landing on an instance that never saw their start."""
 
     def __len__(self) -> int:
         return len(self._table)
@@ -37,19 +40,38 @@ class SequenceAffinity:
         self._table.move_to_end(key)
         return entry[0]
 
+    def orphaned(self, model: str, sequence_id: int | str) -> str | None:
+        """Why the sequence's instance is gone, if it went while the sequence was open."""
+        key = (model, sequence_id)
+        entry = self._orphans.get(key)
+        if entry is None:
+            return None
+        if self._clock.now() - entry[1] > self._idle:
+            del self._orphans[key]
+            return None
+        return entry[0]
+
     def bind(self, model: str, sequence_id: int | str, instance: str) -> None:
         key = (model, sequence_id)
+        self._orphans.pop(key, None)
         self._table[key] = (instance, self._clock.now())
         self._table.move_to_end(key)
         self._expire()
 
     def end(self, model: str, sequence_id: int | str) -> None:
         self._table.pop((model, sequence_id), None)
+        self._orphans.pop((model, sequence_id), None)
 
-    def forget_instance(self, instance: str) -> None:
-        """Drop every sequence placed on ``instance`` (it died: its state is gone)."""
+    def forget_instance(self, instance: str, why: str = "") -> None:
+        """Drop every sequence placed on ``instance`` (ejected, or removed by a reload);
+        with ``why``, their next requests are told why (see :meth:`orphaned`)."""
         for key in [k for k, v in self._table.items() if v[0] == instance]:
-            del self._table[key]
+            _, seen = self._table.pop(key)
+            if why:
+                self._orphans[key] = (why, seen)
+                self._orphans.move_to_end(key)
+        while len(self._orphans) > self._max:
+            self._orphans.popitem(last=False)
 
     def _expire(self) -> None:
         while len(self._table) > self._max:

@@ -15,6 +15,7 @@ from proxy.clock import Clock
 from proxy.errors import Code, ProxyError
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.upstream import HttpUpstreams
+from proxy.frontends.routes import check_model_name
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,10 @@ class ModelCatalog:
     async def info(self, model: str) -> ModelInfo | None:
         """The model's info, or None when every ready instance says it has no such model.
 
-        Raises :class:`ProxyError` (UNAVAILABLE) when no ready instance could be asked.
+        Raises :class:`ProxyError` (UNAVAILABLE) when no ready instance could be asked, and
+        (INVALID_ARG) for a name the proxy does not relay (it would not be one path segment).
         """
+        check_model_name(model)
         now = self.clock.now()
         entry = self._cache.get(model)
         if entry is not None and entry[1] > now:

@@ -16,7 +16,12 @@ import grpc
 
 from proxy.errors import Code, ProxyError
 from proxy.fleet.instances import Fleet, Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import (
+    RETIRE_MAX_S,
+    UpstreamConnectError,
+    UpstreamLostError,
+    UpstreamTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,11 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamConnectError | Upstream
         return None
     details = exc.details() or ""
     if details.startswith(_CONNECT_FAILURE):
-        return UpstreamConnectError(details)
+        return UpstreamConnectError(details, refused="Connection refused" in details)
     if any(marker in details for marker in _TRANSPORT_FAILURES):
-        return UpstreamLostError(details)
+        # A unary answer arrives whole, so no byte of it had arrived; a stream's caller knows
+        # better and says so itself.
+        return UpstreamLostError(details, before_response=True)
     return None
 
 
@@ -86,6 +93,7 @@ class GrpcUpstreams:
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         """instance name -> (target, channel)"""
         self._replaced: list[grpc.aio.Channel] = []
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def channel(self, instance: Instance) -> grpc.aio.Channel:
         target = instance.spec.grpc
@@ -113,11 +121,12 @@ class GrpcUpstreams:
         metadata: Metadata,
         client_remaining: float | None,
     ) -> bytes:
-        """One unary call; raises Upstream{Connect,Lost}Error or Triton's ``AioRpcError``."""
+        """One unary call; raises Upstream{Connect,Lost,Timeout}Error or Triton's
+        ``AioRpcError``."""
+        timeout = effective_timeout(client_remaining, self.request_timeout_s)
+        ours = timeout is not None and timeout != client_remaining
         call = self.channel(instance).unary_unary(method)(
-            request,
-            metadata=metadata,
-            timeout=effective_timeout(client_remaining, self.request_timeout_s),
+            request, metadata=metadata, timeout=timeout
         )
         try:
             response: bytes = await call
@@ -126,6 +135,8 @@ class GrpcUpstreams:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
+            if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise UpstreamTimeoutError(exc.details() or "deadline exceeded") from exc
             transport = upstream_error(exc)
             if transport is not None:
                 raise transport from exc
@@ -139,14 +150,18 @@ class GrpcUpstreams:
         metadata: Metadata,
         client_remaining: float | None,
     ) -> grpc.aio.StreamStreamCall:
-        """Open a bidirectional call; the caller writes, reads and cancels it."""
+        """Open a bidirectional call; the caller writes, reads and cancels it.
+
+        Only the client's deadline applies: a stream may stay open for as long as its client
+        wants (it holds no dispatch slot while idle).
+        """
         return self.channel(instance).stream_stream(method)(
-            metadata=metadata,
-            timeout=effective_timeout(client_remaining, self.request_timeout_s),
+            metadata=metadata, timeout=effective_timeout(client_remaining, None)
         )
 
     async def retire(self, keep: set[str]) -> None:
-        """Close the channels of instances no longer in the fleet (or whose address changed)."""
+        """Retire the channels of instances no longer in the fleet (or whose address
+        changed): they take no new call and close when their calls have finished."""
         for name, (target, ch) in list(self._channels.items()):
             inst = self.fleet.instances.get(name)
             if name not in keep or inst is None or target != inst.spec.grpc:
@@ -154,7 +169,25 @@ class GrpcUpstreams:
                 self._replaced.append(ch)
         replaced, self._replaced = self._replaced, []
         for ch in replaced:
-            await ch.close()
+            task = asyncio.get_running_loop().create_task(
+                ch.close(grace=RETIRE_MAX_S), name="upstream-channel-retire"
+            )
+            self._retiring[task] = ch
+            task.add_done_callback(lambda t: self._retiring.pop(t, None))
+
+    def retiring(self) -> int:
+        """Retired channels still waiting for their calls to finish."""
+        return len(self._retiring)
 
     async def close(self) -> None:
-        await self.retire(set())
+        """Close every channel now (shutdown, after the drain)."""
+        retiring = dict(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        channels = [ch for _, ch in self._channels.values()] + self._replaced
+        channels += retiring.values()
+        self._channels.clear()
+        self._replaced = []
+        for ch in channels:
+            await ch.close()

@@ -1,10 +1,12 @@
-"""Active readiness probes: healthy instances every interval, ejected ones with backoff."""
+"""Active readiness probes: healthy instances every interval, ejected ones with backoff, and
+models taken out of rotation on one instance (``/v2/models/NAME/ready``) with backoff."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from urllib.parse import quote
 
 import aiohttp
 
@@ -22,7 +24,7 @@ class HealthChecker:
 
     def check_soon(self, instance: Instance) -> None:
         """Probe ``instance`` at the next tick (it just answered 5xx, say)."""
-        instance.next_probe_at = min(instance.next_probe_at, self.fleet.clock.now())
+        self.fleet.probe_soon(instance)
 
     def _session(self) -> aiohttp.ClientSession:
         # Probes get their own small pool: queued behind the request pool's connections, a
@@ -38,12 +40,15 @@ class HealthChecker:
         timeout = aiohttp.ClientTimeout(total=health.timeout_s)
         was_healthy = instance.healthy
         busy = False
+        # The server's own "not ready", or nothing listening: no point in asking again.
+        immediate = False
         try:
             async with self._session().get(
                 instance.spec.http + "/v2/health/ready", timeout=timeout
             ) as resp:
                 ok = resp.status == 200
                 reason = f"readiness probe answered {resp.status}"
+                immediate = True
         except TimeoutError:
             ok, reason = False, f"readiness probe timed out after {health.timeout_s:g} s"
             # An overloaded server answers its requests but not its probe in time: it is
@@ -51,6 +56,9 @@ class HealthChecker:
             busy = self.fleet.clock.now() - instance.last_answer_at <= 2 * health.timeout_s
         except aiohttp.ClientError as exc:
             ok, reason = False, f"readiness probe failed: {exc or type(exc).__name__}"
+            immediate = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+                exc.os_error, ConnectionRefusedError
+            )
         if busy:
             log.debug("instance %s is slow to answer probes but serving requests", instance.name)
             instance.next_probe_at = self.fleet.clock.now() + health.interval_s
@@ -60,9 +68,25 @@ class HealthChecker:
             if not was_healthy:
                 log.info("instance %s is ready again", instance.name)
         else:
-            self.fleet.report_failure(instance, reason)
+            self.fleet.report_failure(instance, reason, immediate=immediate)
             if was_healthy and not instance.healthy:
                 log.warning("instance %s ejected: %s", instance.name, reason)
+        return ok
+
+    async def probe_model(self, instance: Instance, model: str) -> bool:
+        """Is ``model``, out of rotation on ``instance``, ready there again?"""
+        timeout = aiohttp.ClientTimeout(total=self.fleet.health.timeout_s)
+        url = f"{instance.spec.http}/v2/models/{quote(model, safe='')}/ready"
+        try:
+            async with self._session().get(url, timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:
+            self.fleet.include_model(instance, model)
+            log.info("model %s is ready again on instance %s", model, instance.name)
+        else:
+            self.fleet.model_probe_failed(instance, model)
         return ok
 
     async def probe_all(self) -> None:
@@ -71,8 +95,11 @@ class HealthChecker:
     async def _run(self) -> None:
         while True:
             due = self.fleet.due_for_probe()
-            if due:
-                await asyncio.gather(*(self.probe(i) for i in due))
+            models = self.fleet.due_model_probes()
+            if due or models:
+                await asyncio.gather(
+                    *(self.probe(i) for i in due), *(self.probe_model(i, m) for i, m in models)
+                )
             await asyncio.sleep(self.tick_s)
 
     async def start(self) -> None:

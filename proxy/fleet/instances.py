@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.clock import Clock
 
@@ -42,8 +43,12 @@ class HealthConfig:
     backoff_initial_s: float = 0.5
     """First re-probe delay after an instance is ejected; doubles up to ``backoff_max_s``."""
     backoff_max_s: float = 10.0
-    eject_after_failures: int = 1
-    """Consecutive failures (probe, connection error or 5xx from the server itself) to eject."""
+    eject_after_failures: int = 3
+    """Consecutive failures (probe timeouts, broken connections, connect timeouts) to eject.
+
+    A refused connection or a probe that the server answers "not ready" ejects at once: the
+    server itself says it cannot serve. One answered request resets the count.
+    """
 
     def __post_init__(self) -> None:
         if min(self.interval_s, self.timeout_s, self.backoff_initial_s) <= 0:
@@ -52,6 +57,29 @@ class HealthConfig:
             raise ValueError("backoff_max_s must be >= backoff_initial_s")
         if self.eject_after_failures < 1:
             raise ValueError("eject_after_failures must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What an in-flight request is, for placement: its class, Triton priority level, and
+    whether it is long (a throughput class capped per instance, or a cost well above the
+    model's usual requests)."""
+
+    class_name: str = "default"
+    level: int = 0
+    long: bool = False
+
+
+NO_WORK = Work()
+
+
+@dataclass
+class ModelOut:
+    """A model one instance does not serve right now (unloaded there, or not ready)."""
+
+    reason: str
+    next_probe_at: float
+    backoff_s: float
 
 
 @dataclass
@@ -69,6 +97,31 @@ class Instance:
     last_answer_at: float = float("-inf")
     """Clock time of the instance's last answer to a forwarded request."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
+    long_in_flight: Counter[str] = field(default_factory=Counter)
+    """Requests in flight flagged long (see :class:`Work`), by model."""
+    class_in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Requests in flight by (model, class)."""
+    level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """Requests in flight by (model, Triton priority level); level 0 = the model's default."""
+
+    def ahead_of(self, model: str, level: int | None) -> int:
+        """Requests of ``model`` in flight here that Triton serves no later than one at
+        ``level`` (same or more important level; all of them when ``level`` is None)."""
+        if level is None or level <= 0:
+            return self.model_in_flight.get(model, 0)
+        return sum(
+            n for (m, lv), n in self.level_in_flight.items() if m == model and 0 < lv <= level
+        )
+
+    models_out: dict[str, ModelOut] = field(default_factory=dict)
+    """Models taken out of rotation on this instance alone, re-probed with backoff."""
+
+    def serves(self, model: str) -> bool:
+        return self.healthy and model not in self.models_out
+
+    draining: set[str] = field(default_factory=set)
+    """Models whose new requests placement keeps off this instance (a drained reload is under
+    way); requests already in flight finish here."""
 
     @property
     def name(self) -> str:
@@ -103,23 +156,38 @@ class Fleet:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy]
 
+    def serving(self, model: str) -> list[Instance]:
+        """Healthy instances that have not said ``model`` is missing or not ready there."""
+        return [i for i in self.instances.values() if i.serves(model)]
+
     def any_healthy(self) -> bool:
         return any(i.healthy for i in self.instances.values())
 
     @contextmanager
-    def track(self, instance: Instance, model: str, *, stream: bool = False) -> Iterator[None]:
+    def track(
+        self, instance: Instance, model: str, *, stream: bool = False, work: Work = NO_WORK
+    ) -> Iterator[None]:
         """Count one request (or stream) in flight on ``instance`` until the block exits."""
+        counters: list[tuple[Counter[Any], Any]] = [
+            (instance.model_in_flight, model),
+            (instance.class_in_flight, (model, work.class_name)),
+            (instance.level_in_flight, (model, work.level)),
+        ]
+        if work.long:
+            counters.append((instance.long_in_flight, model))
         instance.in_flight += 1
-        instance.model_in_flight[model] += 1
+        for counter, key in counters:
+            counter[key] += 1
         if stream:
             instance.streams += 1
         try:
             yield
         finally:
             instance.in_flight -= 1
-            instance.model_in_flight[model] -= 1
-            if not instance.model_in_flight[model]:
-                del instance.model_in_flight[model]
+            for counter, key in counters:
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
             if stream:
                 instance.streams -= 1
 
@@ -136,11 +204,23 @@ class Fleet:
             instance.backoff_s = 0.0
             self._changed(instance)
 
-    def report_failure(self, instance: Instance, reason: str) -> None:
-        """A probe failed, a connection broke, or the server answered 5xx about itself."""
+    def probe_soon(self, instance: Instance) -> None:
+        """Probe ``instance`` at the health checker's next tick (it answered 5xx, say)."""
+        instance.next_probe_at = min(instance.next_probe_at, self.clock.now())
+
+    def report_answer(self, instance: Instance) -> None:
+        """The instance answered a forwarded request: its failures are no longer consecutive."""
+        instance.last_answer_at = self.clock.now()
+        if instance.healthy:
+            instance.failures = 0
+
+    def report_failure(self, instance: Instance, reason: str, *, immediate: bool = False) -> None:
+        """A probe failed or a connection failed or broke; ``immediate`` ejects at once (the
+        server refused the connection, or said it is not ready)."""
         instance.failures += 1
         now = self.clock.now()
-        if instance.healthy and instance.failures >= self.health.eject_after_failures:
+        threshold = 1 if immediate else self.health.eject_after_failures
+        if instance.healthy and instance.failures >= threshold:
             instance.healthy = False
             instance.ejected_reason = reason
             instance.backoff_s = self.health.backoff_initial_s
@@ -152,6 +232,36 @@ class Fleet:
                 self.health.backoff_max_s,
             )
             instance.next_probe_at = now + instance.backoff_s
+
+    # --- per-model availability --------------------------------------------------------
+    def exclude_model(self, instance: Instance, model: str, reason: str) -> None:
+        """``instance`` answered that ``model`` is not there (or not ready): route the model
+        elsewhere until a readiness probe of the model on that instance succeeds."""
+        if model in instance.models_out:
+            return
+        backoff = self.health.backoff_initial_s
+        instance.models_out[model] = ModelOut(reason, self.clock.now() + backoff, backoff)
+        self._changed(instance)
+
+    def include_model(self, instance: Instance, model: str) -> None:
+        if instance.models_out.pop(model, None) is not None:
+            self._changed(instance)
+
+    def model_probe_failed(self, instance: Instance, model: str) -> None:
+        out = instance.models_out.get(model)
+        if out is not None:
+            out.backoff_s = min(out.backoff_s * 2, self.health.backoff_max_s)
+            out.next_probe_at = self.clock.now() + out.backoff_s
+
+    def due_model_probes(self) -> list[tuple[Instance, str]]:
+        now = self.clock.now()
+        return [
+            (i, model)
+            for i in self.instances.values()
+            if i.healthy
+            for model, out in i.models_out.items()
+            if out.next_probe_at <= now
+        ]
 
     def _changed(self, instance: Instance) -> None:
         for listener in self.listeners:

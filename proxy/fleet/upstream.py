@@ -1,18 +1,79 @@
-"""One pooled HTTP client per Triton instance; bodies pass through untouched."""
+"""One pooled HTTP client per Triton instance; bodies pass through untouched.
+
+Failures are sorted into what the dispatcher needs to know: the request never reached the
+instance (retry elsewhere), the connection broke (before or after the first byte of the
+answer), or the instance did not answer in time. A pool that leaves the fleet (a reload
+removed its instance, or a broken connection makes its idle keep-alive connections suspect)
+is retired: it takes no new request and closes once the requests using it have finished.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import aiohttp
 
 from proxy.fleet.instances import Fleet, Instance
 
+log = logging.getLogger(__name__)
+
+RETIRE_MAX_S = 3600.0
+"""A retired pool closes when its last request ends, or after this long at the latest."""
+
 
 class UpstreamConnectError(Exception):
     """No byte of the request reached the instance: safe to retry elsewhere."""
 
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+        """The instance's host refused the connection: nothing listens there (eject at once)."""
+
 
 class UpstreamLostError(Exception):
-    """The instance received the request, then the connection broke: not retried."""
+    """The connection broke while the instance had the request."""
+
+    def __init__(self, message: str, *, before_response: bool = False) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+        """No byte of the answer had arrived: a stateless request may be retried elsewhere."""
+
+
+class UpstreamTimeoutError(Exception):
+    """The instance did not answer within ``limits.request_timeout_s``."""
+
+
+def http_failure(
+    exc: aiohttp.ClientError | TimeoutError, *, before_response: bool
+) -> UpstreamConnectError | UpstreamLostError | UpstreamTimeoutError:
+    """What an aiohttp client error means for the request that met it."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(text, refused=isinstance(exc.os_error, ConnectionRefusedError))
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return UpstreamConnectError(f"connect timeout ({text})")
+    if isinstance(exc, TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
+        return UpstreamTimeoutError(text)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        before_response = False
+    return UpstreamLostError(text, before_response=before_response)
+
+
+@dataclass
+class _Pool:
+    url: str
+    session: aiohttp.ClientSession
+    users: int = 0
+
+    def busy(self) -> bool:
+        connector = self.session.connector
+        # Acquired sockets carry a request right now; users covers a request between
+        # taking the pool and acquiring a socket.
+        return self.users > 0 or bool(connector and getattr(connector, "_acquired", ()))
 
 
 class HttpUpstreams:
@@ -28,16 +89,21 @@ class HttpUpstreams:
     ) -> None:
         self.fleet = fleet
         self._connections = connections_per_instance
+        # A read timeout, not a total one: a server-sent event stream may run for long, as
+        # long as the instance keeps sending; a unary answer must come within the limit.
         self._timeout = aiohttp.ClientTimeout(
-            total=request_timeout_s, sock_connect=connect_timeout_s
+            total=None, sock_connect=connect_timeout_s, sock_read=request_timeout_s
         )
-        self._sessions: dict[str, tuple[str, aiohttp.ClientSession]] = {}
-        """instance name -> (base URL, its pool)"""
+        self._pools: dict[str, _Pool] = {}
+        """instance name -> its pool"""
+        self._retiring: set[asyncio.Task[None]] = set()
 
-    def session(self, instance: Instance) -> aiohttp.ClientSession:
-        entry = self._sessions.get(instance.name)
-        if entry is not None and entry[0] == instance.spec.http and not entry[1].closed:
-            return entry[1]
+    def _pool(self, instance: Instance) -> _Pool:
+        pool = self._pools.get(instance.name)
+        if pool is not None and pool.url == instance.spec.http and not pool.session.closed:
+            return pool
+        if pool is not None:
+            self._retire(pool)
         s = aiohttp.ClientSession(
             base_url=instance.spec.http,
             connector=aiohttp.TCPConnector(
@@ -48,26 +114,72 @@ class HttpUpstreams:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
-        self._sessions[instance.name] = (instance.spec.http, s)
-        return s
+        pool = self._pools[instance.name] = _Pool(instance.spec.http, s)
+        return pool
+
+    def session(self, instance: Instance) -> aiohttp.ClientSession:
+        """The instance's pool, for short calls that may fail if it retires under them."""
+        return self._pool(instance).session
+
+    @contextlib.contextmanager
+    def using(self, instance: Instance) -> Iterator[aiohttp.ClientSession]:
+        """The instance's pool, kept open (even if retired) until the block exits."""
+        pool = self._pool(instance)
+        pool.users += 1
+        try:
+            yield pool.session
+        finally:
+            pool.users -= 1
 
     def open_connections(self, instance: Instance) -> int:
-        entry = self._sessions.get(instance.name)
-        if entry is None or entry[1].closed or entry[1].connector is None:
+        pool = self._pools.get(instance.name)
+        if pool is None or pool.session.closed or pool.session.connector is None:
             return 0
-        s = entry[1]
-        # Acquired sockets are the ones carrying a request right now.
-        return len(getattr(s.connector, "_acquired", ()))
+        return len(getattr(pool.session.connector, "_acquired", ()))
+
+    def reset(self, instance: Instance) -> None:
+        """A connection to ``instance`` broke: its idle keep-alive connections are suspect
+        (a dead server leaves them open on our side), so new requests get a fresh pool."""
+        pool = self._pools.get(instance.name)
+        if pool is not None and pool.url == instance.spec.http:
+            del self._pools[instance.name]
+            self._retire(pool)
 
     async def retire(self, keep: set[str]) -> None:
-        """Close the pools of instances no longer in the fleet (or whose address changed)."""
-        for name, (url, session) in list(self._sessions.items()):
+        """Retire the pools of instances no longer in the fleet (or whose address changed)."""
+        for name, pool in list(self._pools.items()):
             inst = self.fleet.instances.get(name)
-            if name not in keep or inst is None or url != inst.spec.http:
-                del self._sessions[name]
-                await session.close()
+            if name not in keep or inst is None or pool.url != inst.spec.http:
+                del self._pools[name]
+                self._retire(pool)
+
+    def retiring(self) -> int:
+        """Retired pools still waiting for their requests to finish."""
+        return len(self._retiring)
+
+    def _retire(self, pool: _Pool) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._close_when_idle(pool), name="upstream-pool-retire"
+        )
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _close_when_idle(self, pool: _Pool) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETIRE_MAX_S
+        try:
+            while pool.busy() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            # Also when cancelled by close(): the shutdown drain is over.
+            await pool.session.close()
 
     async def close(self) -> None:
-        for _, s in self._sessions.values():
-            await s.close()
-        self._sessions.clear()
+        """Close every pool now (shutdown, after the drain)."""
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for pool in pools:
+            await pool.session.close()

@@ -44,13 +44,6 @@ def check_admin(admin: AdminConfig, authorization: str | None) -> None:
         )
 
 
-def admin_failure_message(message: str, instance: str, failed: int, total: int) -> str:
-    """The error of a model-control call sent to every instance, naming where it failed."""
-    if total <= 1:
-        return message
-    return f"{message} (on instance '{instance}'; {failed} of {total} instances failed)"
-
-
 def shared_memory_call(kind: SharedMemoryKind, action: SharedMemoryAction, region: str) -> None:
     """Answer a shared-memory call as a Triton that can never hold a region would.
 

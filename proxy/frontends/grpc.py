@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any, NoReturn
 
@@ -19,14 +20,15 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
+from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
@@ -36,6 +38,7 @@ from proxy.frontends.routes import check_model_name
 from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
+from proxy.scheduling.cost import grpc_cost
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +182,7 @@ class GrpcFrontend:
         return _LIVE
 
     async def server_ready(self, request: bytes, context: Any) -> bytes:
-        return _READY if self._rt().fleet.any_healthy() else _NOT_READY
+        return _READY if self._rt().ready() else _NOT_READY
 
     # --- inference ------------------------------------------------------------------------
     def _call(
@@ -202,6 +205,7 @@ class GrpcFrontend:
             headers=headers,
             params=params,
             session_key=rt.session_key(headers),
+            cost=grpc_cost(request),
             deadline=deadline.client_deadline(
                 rt.clock.now(), grpc_remaining_s=time_remaining, timeout_us=params.timeout_us
             ),
@@ -237,21 +241,30 @@ class GrpcFrontend:
 
         async def send(instance: Instance, parameters: Forward) -> bytes:
             data = _with_forward(request, parameters)
-            return await self._unary(
-                rt,
-                instance,
-                "ModelInfer",
-                data,
-                forward,
-                context,
-                client_deadline=rt.dispatcher.cancel_upstream,
-            )
+            try:
+                return await self._unary(
+                    rt,
+                    instance,
+                    "ModelInfer",
+                    data,
+                    forward,
+                    context,
+                    client_deadline=rt.dispatcher.cancel_upstream,
+                )
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                absent = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                if absent and says_model_absent(details):
+                    raise ModelAbsentError(details, exc) from exc
+                raise
 
-        call = self._call(rt, request, metadata, context.time_remaining())
-        return await rt.dispatcher.run(call, send)
+        with rt.budget.hold(len(request)):
+            call = self._call(rt, request, metadata, context.time_remaining())
+            return await rt.dispatcher.run(call, send)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
-        """The whole stream stays on the instance chosen for its first request."""
+        """The whole stream stays on the instance chosen for its first request; each message
+        passes its model's class gate on its own, so an idle stream holds no slot."""
         try:
             incoming = aiter(requests)
             first = await anext(incoming, None)
@@ -260,14 +273,13 @@ class GrpcFrontend:
             rt = self._rt()
             metadata = _metadata(context)
             forward = forward_metadata(metadata, rt.private_headers)
-
-            async def send(instance: Instance, parameters: Forward) -> None:
-                await self._relay_stream(
-                    rt, instance, parameters, first, incoming, forward, context
-                )
-
             call = self._call(rt, first, metadata, context.time_remaining())
-            await rt.dispatcher.run(call, send, stream=True)
+            klass = rt.dispatcher.classify(call)
+
+            async def send(instance: Instance, _: Forward) -> None:
+                await self._relay_stream(rt, instance, klass, first, incoming, forward, context)
+
+            await rt.dispatcher.run(call, send, stream=True, admit=False)
         except (ProxyError, grpc.aio.AioRpcError) as exc:
             await abort_with(context, exc)
 
@@ -275,7 +287,7 @@ class GrpcFrontend:
         self,
         rt: Runtime,
         instance: Instance,
-        parameters: Forward,
+        klass: str,
         first: bytes,
         incoming: AsyncIterator[bytes],
         metadata: Metadata,
@@ -284,9 +296,10 @@ class GrpcFrontend:
         upstream = rt.grpc_upstreams.stream(
             instance, method_path("ModelStreamInfer"), metadata, context.time_remaining()
         )
+        slots = _StreamSlots(rt, klass, upstream, context)
         try:
             try:
-                await upstream.write(_with_forward(first, parameters))
+                await slots.send(first)
             except grpc.aio.AioRpcError as exc:
                 # Only here can a stream be retried elsewhere: nothing else was taken from
                 # the client yet.
@@ -298,13 +311,10 @@ class GrpcFrontend:
                 model, params = read_infer(request)
                 rt.dispatcher.note_sequence(model, params, instance)
 
-            # Later requests of the stream get the class priority only: the stream's first
-            # request carried the deadline, which does not describe the others.
-            later = Forward(parameters.priority)
-            sender = asyncio.create_task(_send_requests(incoming, upstream, later, on_request))
+            sender = asyncio.create_task(_send_requests(incoming, upstream, slots, on_request))
             try:
                 async for response in upstream:
-                    await context.write(response)
+                    await slots.answered(response)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _SERVER_TROUBLE:
                     rt.health.check_soon(instance)
@@ -323,6 +333,7 @@ class GrpcFrontend:
                     await sender
         finally:
             upstream.cancel()
+            await slots.close()
 
     # --- everything else ------------------------------------------------------------------
     async def _relay(self, method: str, request: bytes, context: Any) -> bytes:
@@ -354,23 +365,23 @@ class GrpcFrontend:
             self._check_admin(context)
             rt = self._rt()
             forward = forward_metadata(_metadata(context), rt.private_headers)
-            answers: list[tuple[str, bytes]] = []
-            failed: list[tuple[str, grpc.StatusCode, str]] = []
-            for instance in rt.fleet.all():
+
+            async def one(instance: Instance) -> bytes:
                 try:
-                    answer = await self._unary(rt, instance, method, request, forward, context)
-                    answers.append((instance.name, answer))
+                    return await self._unary(rt, instance, method, request, forward, context)
                 except grpc.aio.AioRpcError as exc:
-                    failed.append((instance.name, exc.code(), exc.details() or ""))
+                    raise InstanceFailure(exc.code(), exc.details() or "") from exc
                 except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
-                    failed.append(
-                        (instance.name, grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}")
-                    )
-            if not failed:
-                return answers[0][1]
-            name, code, details = failed[0]
-            total = len(answers) + len(failed)
-            await _abort(context, code, admin_failure_message(details, name, len(failed), total))
+                    raise InstanceFailure(
+                        grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
+                    ) from exc
+
+            fan = await to_every_instance(rt.fleet.all(), one)
+            failed = fan.failure()
+            if failed is None:
+                return fan.answers[0][1]
+            first, message = failed
+            await _abort(context, first.code, message)
 
         return handler
 
@@ -405,17 +416,91 @@ def _with_forward(request: bytes, parameters: Forward) -> bytes:
     return with_parameters(request, parameters.parameters())
 
 
+class _StreamSlots:
+    """The class-gate slots of one stream's messages: each message waits for its own slot
+    (and its bytes are held against the byte budget until written upstream); an answer
+    releases the oldest slot. A decoupled model's answers release it at the final one, when
+    the client asked Triton to flag it (``triton_final_response``), else at the first."""
+
+    def __init__(self, rt: Runtime, klass: str, upstream: Any, context: Any) -> None:
+        self.rt = rt
+        self.klass = klass
+        self.upstream = upstream
+        self.context = context
+        self.pending: deque[tuple[contextlib.AsyncExitStack, bool]] = deque()
+        self._write = asyncio.Lock()
+
+    async def send(self, request: bytes) -> None:
+        """Admit one message and write it upstream; a refused one is answered in the stream,
+        as Triton answers a failed request of a stream."""
+        model, _ = read_infer(request)
+        stack = contextlib.AsyncExitStack()
+        try:
+            with self.rt.budget.hold(len(request)):
+                priority = await stack.enter_async_context(
+                    self.rt.dispatcher.admitted(model, self.klass)
+                )
+                info = self.rt.catalog.cached(model)
+                self.pending.append((stack, info is not None and info.decoupled))
+                await self.upstream.write(_with_forward(request, Forward(priority)))
+        except ProxyError as exc:
+            await stack.aclose()
+            await self._reply(_stream_error(request, model, exc.message))
+        except BaseException:
+            await stack.aclose()
+            raise
+
+    async def answered(self, response: bytes) -> None:
+        if self.pending:
+            stack, decoupled = self.pending[0]
+            if not decoupled or _final_response(response):
+                self.pending.popleft()
+                await stack.aclose()
+        await self._reply(response)
+
+    async def _reply(self, response: bytes) -> None:
+        async with self._write:
+            await self.context.write(response)
+
+    async def close(self) -> None:
+        while self.pending:
+            stack, _ = self.pending.popleft()
+            await stack.aclose()
+
+
+def _stream_error(request: bytes, model: str, message: str) -> bytes:
+    try:
+        request_id = pb.ModelInferRequest.FromString(request).id
+    except DecodeError:
+        request_id = ""
+    answer = pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=model, id=request_id),
+    )
+    data: bytes = answer.SerializeToString()
+    return data
+
+
+def _final_response(response: bytes) -> bool:
+    try:
+        parsed = pb.ModelStreamInferResponse.FromString(response)
+    except DecodeError:
+        return True
+    flag = parsed.infer_response.parameters.get("triton_final_response")
+    return bool(parsed.error_message) or flag is None or flag.bool_param
+
+
 async def _send_requests(
     incoming: AsyncIterator[bytes],
     upstream: Any,
-    parameters: Forward,
+    slots: _StreamSlots,
     on_request: Callable[[bytes], None],
 ) -> None:
     """Relay the client's requests as they arrive, then half-close upstream."""
     try:
         async for request in incoming:
             on_request(request)
-            await upstream.write(_with_forward(request, parameters))
+            await slots.send(request)
         await upstream.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         return  # the upstream call ended; the response side reports how

@@ -19,22 +19,31 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.budget import Hold
+from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError, error_body
 from proxy.fleet.instances import Instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.model_control import InstanceFailure, to_every_instance
+from proxy.fleet.upstream import http_failure
 from proxy.frontends import routes
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
-    admin_failure_message,
     check_admin,
     shared_memory_call,
 )
-from proxy.frontends.kserve_http import HEADER_LENGTH, decode_content, read_params, with_parameters
+from proxy.frontends.kserve_http import (
+    HEADER_LENGTH,
+    decode_content,
+    json_header,
+    read_params,
+    with_parameters,
+)
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
 from proxy.request import Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
+from proxy.scheduling.cost import http_cost
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,9 @@ HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
+
+
+_BODY_HOLD = web.RequestKey("body_hold", Hold)
 
 
 def _forward_headers(
@@ -102,7 +114,7 @@ class HttpFrontend:
             return web.Response(status=200)
         if kind is Kind.READY:
             # Triton answers 400 (with an empty body) when not ready.
-            return web.Response(status=200 if self._rt().fleet.any_healthy() else 400)
+            return web.Response(status=200 if self._rt().ready() else 400)
         if kind in INFERENCE_KINDS:
             return await self._dispatch(request, route)
         if kind is Kind.READ:
@@ -139,13 +151,29 @@ class HttpFrontend:
                 raise
             code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status)
             return error_response(ProxyError(code or Code.INVALID_ARG, exc.reason))
+        finally:
+            hold = request.get(_BODY_HOLD)
+            if hold is not None:
+                hold.release()
 
     # --- inference ------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._rt().config.limits.max_body_bytes
+        """The whole body, held against the byte budget until the request ends."""
+        rt = self._rt()
+        limit = rt.config.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        return await request.read()
+        # Released by the middleware, whatever way the request ends.
+        hold = request[_BODY_HOLD] = rt.budget.hold(request.content_length or 0)
+        if request.content_length is not None:
+            return await request.read()
+        chunks: list[bytes] = []
+        async for chunk in request.content.iter_chunked(1 << 16):
+            if hold.nbytes + len(chunk) > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
+            hold.grow(len(chunk))
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _dispatch(self, request: web.Request, route: Route) -> web.StreamResponse:
         rt = self._rt()
@@ -165,6 +193,7 @@ class HttpFrontend:
             headers=call_headers,
             params=params,
             session_key=rt.session_key(call_headers),
+            cost=http_cost(json_header(body, header_length)) if infer else 1.0,
             deadline=deadline.client_deadline(
                 rt.clock.now(),
                 timeout_us=params.timeout_us,
@@ -184,7 +213,7 @@ class HttpFrontend:
                     hdrs = headers.copy()
                     hdrs[HEADER_LENGTH] = length
             return await self._exchange(
-                instance, request, route.upstream_path, data, hdrs, stream=stream
+                instance, request, route.upstream_path, data, hdrs, stream=stream, dispatched=True
             )
 
         return await rt.dispatcher.run(call, send, stream=stream, outcome=lambda r: str(r.status))
@@ -198,43 +227,62 @@ class HttpFrontend:
         headers: CIMultiDict[str],
         *,
         stream: bool = False,
+        dispatched: bool = False,
     ) -> web.StreamResponse:
         """Send one request for ``path`` (built by the route table) to ``instance`` and relay
-        its answer to the client."""
+        its answer to the client.
+
+        ``dispatched``: an inference request, whose "unknown model" answer from this one
+        instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
+        """
         rt = self._rt()
-        session = rt.upstreams.session(instance)
-        try:
-            upstream = await session.request(
-                request.method, path, data=body or None, headers=headers
-            )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamConnectError(str(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamLostError(str(exc)) from exc
-        async with upstream:
-            if upstream.status >= 500:
-                rt.health.check_soon(instance)
-            out_headers = _forward_headers(upstream.headers)
-            if not stream:
-                try:
-                    data = await upstream.read()
-                except aiohttp.ClientPayloadError as exc:
-                    raise UpstreamLostError(str(exc)) from exc
-                return web.Response(status=upstream.status, body=data, headers=out_headers)
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
+        with rt.upstreams.using(instance) as session:
             try:
-                # Relay each chunk as it arrives: server-sent events must not be buffered.
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except aiohttp.ClientPayloadError as exc:
-                # Headers are sent, so no error response can follow: the client sees the
-                # stream cut short, as it would from the server itself.
-                log.warning("stream from %s broke off: %s", instance.name, exc)
-                rt.health.check_soon(instance)
-                return response
-            await response.write_eof()
+                upstream = await session.request(
+                    request.method, path, data=body or None, headers=headers
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise http_failure(exc, before_response=True) from exc
+            async with upstream:
+                return await self._relay_answer(
+                    instance, request, upstream, stream=stream, dispatched=dispatched
+                )
+
+    async def _relay_answer(
+        self,
+        instance: Instance,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        *,
+        stream: bool,
+        dispatched: bool,
+    ) -> web.StreamResponse:
+        if upstream.status >= 500:
+            self._rt().health.check_soon(instance)
+        out_headers = _forward_headers(upstream.headers)
+        if not stream or upstream.status >= 400:
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise http_failure(exc, before_response=False) from exc
+            answer = web.Response(status=upstream.status, body=data, headers=out_headers)
+            if dispatched and upstream.status in (400, 404) and says_model_absent(str(data)):
+                raise ModelAbsentError(data.decode(errors="replace"), answer)
+            return answer
+        response = web.StreamResponse(status=upstream.status, headers=out_headers)
+        await response.prepare(request)
+        try:
+            # Relay each chunk as it arrives: server-sent events must not be buffered.
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, TimeoutError) as exc:
+            # Headers are sent, so no error response can follow: the client sees the
+            # stream cut short, as it would from the server itself.
+            log.warning("stream from %s broke off: %s", instance.name, exc)
+            self._rt().health.check_soon(instance)
             return response
+        await response.write_eof()
+        return response
 
     # --- everything else ------------------------------------------------------------------
     async def relay(self, request: web.Request, route: Route) -> web.StreamResponse:
@@ -261,19 +309,27 @@ class HttpFrontend:
         rt = self._rt()
         body = await self._read_body(request)
         headers = _forward_headers(request.headers, rt.private_headers)
-        answers: list[tuple[str, int, bytes]] = []
-        for instance in rt.fleet.all():
+
+        async def one(instance: Instance) -> tuple[int, bytes]:
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
                     request.method, route.upstream_path, data=body or None, headers=headers
                 ) as resp:
-                    answers.append((instance.name, resp.status, await resp.read()))
+                    status, data = resp.status, await resp.read()
             except aiohttp.ClientError as exc:
-                answers.append((instance.name, 503, error_body(f"{instance.name}: {exc}")))
-        failed = [a for a in answers if a[1] >= 400]
-        name, status, data = failed[0] if failed else answers[0]
-        if failed and len(answers) > 1:
-            message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
-            data = error_body(admin_failure_message(message, name, len(failed), len(answers)))
+                raise InstanceFailure(503, f"{instance.name}: {exc}") from exc
+            if status >= 400:
+                message = json.loads(data).get("error", "") if data.startswith(b"{") else ""
+                raise InstanceFailure(status, message, raw=data)
+            return status, data
+
+        fan = await to_every_instance(rt.fleet.all(), one)
+        failed = fan.failure()
+        if failed is None:
+            status, data = fan.answers[0][1]
+        else:
+            first, message = failed
+            status = first.code
+            data = first.raw if fan.total == 1 and first.raw is not None else error_body(message)
         return web.Response(status=status, body=data, content_type="application/json")

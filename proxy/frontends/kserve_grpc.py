@@ -34,33 +34,68 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
-def routing_fields(data: bytes) -> bytes:
-    """The encoded ``model_name`` and ``parameters`` fields of ``data``, in their order.
-
-    Raises ``ValueError`` (or ``IndexError``) when ``data`` is not a well-formed message.
-    """
+def _fields(data: bytes) -> list[tuple[int, int, int, int, int]]:
+    """``(field number, wire type, key start, value start, end)`` of each top-level field."""
     pos, end = 0, len(data)
-    parts: list[bytes] = []
+    out = []
     while pos < end:
-        start = pos
+        key_start = pos
         key, pos = _varint(data, pos)
         wire = key & 7
+        start = pos
         if wire == 0:
             _, pos = _varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == 2:
-            length, pos = _varint(data, pos)
-            pos += length
+            length, start = _varint(data, pos)
+            pos = start + length
         elif wire == 5:
             pos += 4
         else:
             raise ValueError(f"unexpected wire type {wire}")
         if pos > end:
             raise ValueError("truncated message")
-        if key >> 3 in _ROUTING_FIELDS:
-            parts.append(data[start:pos])
-    return b"".join(parts)
+        out.append((key >> 3, wire, key_start, start, pos))
+    return out
+
+
+def nested_fields(data: bytes, number: int, *, packed_ok: bool = False) -> list[bytes]:
+    """The payloads of length-delimited field ``number`` of ``data`` (a message's bytes).
+
+    With ``packed_ok``, a varint field ``number`` (an unpacked repeated integer) is returned as
+    its own varint bytes, so packed and unpacked encodings read the same. Raises
+    ``ValueError`` (or ``IndexError``) on malformed input.
+    """
+    out = []
+    for field, wire, _, start, stop in _fields(data):
+        if field != number:
+            continue
+        if wire == 2 or (packed_ok and wire == 0):
+            out.append(data[start:stop])
+    return out
+
+
+def routing_fields(data: bytes) -> bytes:
+    """The encoded ``model_name`` and ``parameters`` fields of ``data``, in their order.
+
+    Raises ``ValueError`` (or ``IndexError``) when ``data`` is not a well-formed message.
+    """
+    return b"".join(
+        data[key_start:stop]
+        for number, _, key_start, _, stop in _fields(data)
+        if number in _ROUTING_FIELDS
+    )
+
+
+def packed_varints(data: bytes) -> list[int]:
+    """The integers of a packed repeated ``int64`` field's payload (two's complement)."""
+    out = []
+    pos = 0
+    while pos < len(data):
+        value, pos = _varint(data, pos)
+        out.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return out
 
 
 def parameter_value(param: pb.InferParameter) -> Any:

@@ -95,7 +95,7 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
     """Parameters from the request, or defaults when the body holds none.
 
     A body whose JSON cannot be parsed yields defaults and is still forwarded (unless a
-    priority must be set, see :func:`with_parameter`): Triton answers with its own error.
+    priority must be set, see :func:`with_parameters`): Triton answers with its own error.
     """
     header = json_header(body, header_length)
     if not _may_hold_parameters(header):

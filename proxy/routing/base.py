@@ -32,6 +32,13 @@ class Candidate:
     """True when the snapshot is older than the staleness limit."""
     weight: float = 1.0
     """Selection weight from instance feedback (1.0 = healthy, lower = penalised)."""
+    ahead: int | None = None
+    """Requests of the model in flight here that Triton serves before this one (same or
+    higher priority level); None when unknown (then ``model_in_flight``)."""
+    long_in_flight: int = 0
+    """Long requests of the model in flight here (see :class:`RouteRequest.long`)."""
+    class_in_flight: int = 0
+    """Requests of the model and the request's class in flight here."""
 
     def load(self, model: str) -> ModelLoad:
         return self.snapshot.model(model) if self.snapshot is not None else ModelLoad()
@@ -45,6 +52,15 @@ class RouteRequest:
     session_key: str | None = None
     cost: float = 1.0
     """Relative cost estimate (e.g. tokens); 1.0 when unknown."""
+    class_name: str | None = None
+    level: int | None = None
+    """Triton priority level the request will carry (None: not set by the proxy)."""
+    long: bool = False
+    """Long work: it makes the batch it joins long (padding), so short requests avoid it."""
+    class_cap: int | None = None
+    """At most this many requests of the class per instance (``max_per_instance``)."""
+    batch: int = 1
+    """The model's ``max_batch_size`` (at least 1)."""
 
 
 class Policy(Protocol):

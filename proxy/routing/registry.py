@@ -8,6 +8,7 @@ from typing import Any, Final
 
 from proxy.routing import (
     consistent_hash,
+    expected_start,
     least_connections,
     least_requests,
     p2c,
@@ -26,6 +27,7 @@ POLICIES: Final[Mapping[str, PolicyFactory]] = {
     "weighted_score": weighted_score.factory,
     "p2c": p2c.factory,
     "consistent_hash": consistent_hash.factory,
+    "expected_start": expected_start.factory,
 }
 
 

@@ -20,9 +20,9 @@ path inside it. Omitting the section gives three classes::
       classes:
         realtime: {rank: 0, triton_priority: 1, slo_p99_ms: 100, min_share: 0.2,
                    max_queue: 200, queue_timeout_s: 2, weight: 6}
-        online:   {rank: 1, triton_priority: 2, slo_p99_ms: 500,
+        online:   {rank: 1, triton_priority: 2, slo_p99_ms: 500, min_share: 0.1,
                    max_queue: 1000, queue_timeout_s: 10, weight: 3}
-        offline:  {rank: 2, triton_priority: 3, max_share: 0.5,
+        offline:  {rank: 2, triton_priority: 3, max_share: 0.5, min_share: 0.05,
                    max_queue: 5000, queue_timeout_s: 120, weight: 1}
 
 ``classes`` replaces the default set as a whole; ``default_class`` must name one of them.
@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from proxy import strict
+from proxy.control.concurrency import AdaptiveConcurrencyConfig
 from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
@@ -61,6 +62,10 @@ class ClassConfig:
     """Latency objective; read by the SLO controllers, not by the queues."""
     max_concurrency: int | None = None
     """Hard cap on this class's requests in flight, whatever the capacity."""
+    max_per_instance: int | None = None
+    """At most this many of the class's requests in flight on any one instance (placement
+    spreads them). Keeps long, low-priority work from padding the batches of every instance:
+    e.g. 1 for an offline class of long requests."""
     min_share: float = 0.0
     """Fraction of capacity reserved while this class has work waiting: others cannot take the
     last ``floor(min_share * capacity)`` slots it is short of."""
@@ -84,6 +89,8 @@ class ClassConfig:
             raise ValueError(f"slo_p99_ms must be > 0, got {self.slo_p99_ms}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 or null, got {self.max_concurrency}")
+        if self.max_per_instance is not None and self.max_per_instance < 1:
+            raise ValueError(f"max_per_instance must be >= 1 or null, got {self.max_per_instance}")
         if not 0.0 <= self.min_share <= 1.0:
             raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
         if not 0.0 < self.max_share <= 1.0:
@@ -101,28 +108,42 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
-    def share_limit(self, capacity: int) -> int:
-        """Most slots this class may hold out of ``capacity`` (max_share and max_concurrency).
+    def share_limit(self, capacity: int, instances: int = 1, scale: float = 1.0) -> int:
+        """Most slots this class may hold out of ``capacity`` over ``instances`` healthy
+        instances (max_share, max_concurrency and max_per_instance).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
+        ``scale`` (the class-limit loop's factor, <= 1) multiplies ``max_share`` but never takes
+        the limit below the class's ``min_share`` reservation.
         """
         limit = capacity
-        if self.max_share < 1.0:
-            limit = max(1, math.floor(self.max_share * capacity + 1e-9))
+        share = self.max_share * scale
+        if share < 1.0:
+            limit = max(1, math.floor(share * capacity + 1e-9))
+            if scale < 1.0:
+                limit = max(limit, math.floor(self.min_share * capacity + 1e-9))
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
+        if self.max_per_instance is not None:
+            limit = min(limit, max(1, self.max_per_instance * instances))
         return limit
 
-    def reserved(self, capacity: int) -> int:
+    def reserved(self, capacity: int, instances: int = 1) -> int:
         """Slots guaranteed to this class while it has work waiting (``min_share``)."""
-        return min(math.floor(self.min_share * capacity + 1e-9), self.share_limit(capacity))
+        return min(
+            math.floor(self.min_share * capacity + 1e-9), self.share_limit(capacity, instances)
+        )
 
 
 @dataclass(frozen=True)
 class AgingConfig:
     """Anti-starvation for ``strict_aging``.
 
-    A request's effective rank is ``max(0, rank - floor(waited / step_s))``; the queue heads are
+    A request's effective rank is ``max(floor_rank, rank - floor(waited / step_s))`` where
+    ``floor_rank`` is 0 for the most important class and 1 for every other one: aging lets a
+    lower class catch up with the others, but never outrank the top class. What keeps the
+    lowest classes from starving under overload is their ``min_share`` reservation. The queue
+    heads are
     served in order of (effective rank, arrival time). A request of rank ``r`` that arrives at
     ``t0`` therefore has effective rank 0 from ``t0 + r * step_s`` on, and from then on only
     requests that were already queued at ``t0`` can be dispatched before it (later ones lose the
@@ -167,6 +188,7 @@ def _default_classes() -> Mapping[str, ClassConfig]:
                 rank=1,
                 triton_priority=2,
                 slo_p99_ms=500.0,
+                min_share=0.1,
                 max_queue=1000,
                 queue_timeout_s=10.0,
                 weight=3,
@@ -175,6 +197,7 @@ def _default_classes() -> Mapping[str, ClassConfig]:
                 rank=2,
                 triton_priority=3,
                 max_share=0.5,
+                min_share=0.05,
                 max_queue=5000,
                 queue_timeout_s=120.0,
                 weight=1,
@@ -206,7 +229,17 @@ class SchedulingConfig:
     api_key_header: str = "authorization"
     """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
     concurrency: int | None = None
-    """Dispatch slots per Triton instance; null = :func:`derive_concurrency` from the model."""
+    """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
+    or :func:`derive_concurrency` from the model when that is disabled."""
+    shed_late: bool = True
+    """Deadline admission: shed at once a request of a class with ``slo_p99_ms`` that is
+    predicted to be answered after it, instead of serving it late
+    (:mod:`proxy.scheduling.lateness`)."""
+    adaptive_concurrency: AdaptiveConcurrencyConfig = field(
+        default_factory=AdaptiveConcurrencyConfig
+    )
+    """Slots per (instance, model) learned from the top class's time inside Triton
+    (:mod:`proxy.control.concurrency`); used when ``concurrency`` is null."""
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -263,6 +296,13 @@ class SchedulingConfig:
             return None
         cls = self.classes.get(class_name) or self.classes[self.default_class]
         return min(cls.triton_priority, priority_levels)
+
+    def top_class(self) -> str:
+        """The most important class (lowest rank; the first such in the file)."""
+        return min(self.classes, key=lambda name: self.classes[name].rank)
+
+    def adaptive(self) -> bool:
+        return self.concurrency is None and self.adaptive_concurrency.enabled
 
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
         """Dispatch slots for one Triton instance: ``concurrency``, else derived from the model."""

@@ -109,7 +109,7 @@ def client_deadline(
 def exceeded(model: str, waited: str) -> ProxyError:
     """The answer for a request whose client deadline passed before it was served."""
     return ProxyError(
-        Code.DEADLINE_EXCEEDED,
+        Code.CLIENT_DEADLINE,
         f"request for model '{model}' was not served: its deadline passed {waited}",
     )
 

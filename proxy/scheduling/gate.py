@@ -27,6 +27,7 @@ from types import TracebackType
 
 from proxy.clock import Clock
 from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
 
 _MIN_TIMER_S = 0.001  # a fake clock that never reaches a deadline must not spin the loop
@@ -154,9 +155,14 @@ class Gate:
         capacity: Callable[[], int],
         clock: Clock,
         observer: GateObserver | None = None,
+        instances: Callable[[], int] = lambda: 1,
+        lateness: LatenessPredictor | None = None,
     ) -> None:
         self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
         self._capacity = capacity
+        self._instances = instances
+        self.lateness = lateness
+        """Deadline admission for classes with an SLO (``scheduling.shed_late``); None: off."""
         self._clock = clock
         self._observer = observer if observer is not None else GateObserver()
         self._order = 0
@@ -187,6 +193,12 @@ class Gate:
         """Expire timed-out waiters and dispatch as capacity allows; call when capacity grows."""
         self._pump()
 
+    def set_share_scale(self, class_name: str, factor: float) -> None:
+        """The class-limit loop's multiplier on ``class_name``'s ``max_share``; a raise may
+        let waiters through at once."""
+        self._core.set_share_scale(class_name, factor)
+        self.poke()
+
     def reconfigure(self, config: SchedulingConfig) -> None:
         """Swap in a reloaded section; waiters and in-flight slots carry over."""
         self._core.reconfigure(config)
@@ -207,6 +219,12 @@ class Gate:
         if self._closed:
             self._observer.on_shed(name, ShedReason.SHUTDOWN)
             raise Shed(ShedReason.SHUTDOWN, config.retry_after_s, name)
+        slo = config.classes[name].slo_p99_ms
+        if self.lateness is not None and slo is not None:
+            ahead = self._core.queued_ahead(name)
+            if self.lateness.shed_at_arrival(ahead, name, slo / 1e3, self._clock.now()):
+                self._observer.on_shed(name, ShedReason.LATE)
+                raise Shed(ShedReason.LATE, config.retry_after_s, name)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         result = self._core.push(future, name, self._clock.now())
         for victim in result.evicted:
@@ -261,7 +279,8 @@ class Gate:
                 for expired in self._core.expire(now):
                     self._fail(expired, ShedReason.TIMEOUT)
                 capacity = max(0, self._capacity())
-                while (entry := self._core.pop(now, capacity)) is not None:
+                instances = max(1, self._instances())
+                while (entry := self._core.pop(now, capacity, instances)) is not None:
                     future = entry.item
                     if future.done():
                         # Its task was cancelled while queued and has not run its handler yet;
@@ -269,14 +288,30 @@ class Gate:
                         self._core.release(entry.class_name)
                         self._observer.on_cancel(entry.class_name)
                         continue
-                    ticket = Ticket(self, entry.class_name, now - entry.enqueued_at, self._order)
+                    waited = now - entry.enqueued_at
+                    if self._late(entry.class_name, waited):
+                        # Already past saving: its slot goes to the next one instead.
+                        self._core.release(entry.class_name)
+                        self._fail(entry, ShedReason.LATE)
+                        continue
+                    ticket = Ticket(self, entry.class_name, waited, self._order)
                     self._order += 1
+                    if self.lateness is not None:
+                        self.lateness.on_dispatch(now)
                     future.set_result(ticket)
                     self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
                 again = self._pump_again
             self._arm_timer()
         finally:
             self._pumping = False
+
+    def _late(self, class_name: str, waited_s: float) -> bool:
+        if self.lateness is None:
+            return False
+        cls = self._core.config.classes.get(class_name)
+        if cls is None or cls.slo_p99_ms is None:
+            return False
+        return self.lateness.late(waited_s, class_name, cls.slo_p99_ms / 1e3)
 
     def _arm_timer(self) -> None:
         deadline = self._core.next_expiry()

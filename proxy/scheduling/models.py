@@ -1,9 +1,9 @@
 """Class admission per model: one gate each, sized from the fleet and the model's batching.
 
 Each Triton model has its own batcher queue on every instance, so each model gets its own pool
-of dispatch slots: ``healthy instances x per-instance concurrency`` (from the policy, or derived
-from the model's ``max_batch_size`` and instance count). Excess requests wait in the proxy's
-class queues, where the order is ours.
+of dispatch slots: ``instances serving the model x per-instance concurrency`` (from the
+policy, or derived from the model's ``max_batch_size`` and instance count). Excess requests
+wait in the proxy's class queues, where the order is ours.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from proxy.clock import Clock
+from proxy.control.concurrency import AdaptiveConcurrency
 from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.gate import Gate, GateObserver
+from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
 
 
@@ -51,17 +53,80 @@ class ModelGates:
         self.clock = clock
         self.observer = observer
         self.gates: dict[str, Gate] = {}
+        self._infos: dict[str, ModelInfo] = {}
+        self.adaptive = self._new_adaptive(config)
         fleet.listeners.append(lambda _instance: self.poke())
 
-    def capacity(self, info: ModelInfo) -> int:
-        per_instance = self.config.instance_concurrency(info.max_batch_size, info.model_instances)
-        return len(self.fleet.healthy()) * per_instance
+    @staticmethod
+    def _new_adaptive(config: SchedulingConfig) -> AdaptiveConcurrency | None:
+        if not config.adaptive():
+            return None
+        slo_ms = config.classes[config.top_class()].slo_p99_ms
+        return AdaptiveConcurrency(
+            config.adaptive_concurrency, slo_ms / 1e3 if slo_ms is not None else None
+        )
+
+    def capacity(self, info: ModelInfo, model: str) -> int:
+        """Dispatch slots of the model's gate: the sum of its instances' slots."""
+        return sum(self.slots(inst.name, model, info) for inst in self.fleet.serving(model))
+
+    def slots(self, instance: str, model: str, info: ModelInfo) -> int:
+        """Requests of ``model`` that ``instance`` may hold (adaptive, or fixed/derived)."""
+        if self.adaptive is not None:
+            per_batch = max(1, info.max_batch_size) * max(1, info.model_instances)
+            return self.adaptive.limit(instance, model, per_batch)
+        return self.config.instance_concurrency(info.max_batch_size, info.model_instances)
+
+    def slot_limit(self, instance: str, model: str) -> int | None:
+        """Placement's per-instance bound for ``model``, or None before its gate exists."""
+        info = self._infos.get(model)
+        return None if info is None else self.slots(instance, model, info)
+
+    def observe_inside(
+        self,
+        instance: str,
+        model: str,
+        class_name: str,
+        inside_s: float,
+        in_flight: int,
+        batch_s: float | None = None,
+    ) -> str | None:
+        """One answered request's time inside Triton; feeds adaptive concurrency and deadline
+        admission. ``batch_s``: the model's full-batch time when the cost model knows it."""
+        info = self._infos.get(model)
+        gate = self.gates.get(model)
+        if gate is not None and gate.lateness is not None:
+            gate.lateness.observe_inside(class_name, inside_s)
+        if self.adaptive is None or info is None:
+            return None
+        per_batch = max(1, info.max_batch_size) * max(1, info.model_instances)
+        direction = self.adaptive.observe(
+            instance,
+            model,
+            per_batch,
+            inside_s,
+            class_name == self.config.top_class(),
+            in_flight,
+            self.clock.now(),
+            batch_s,
+        )
+        if direction is not None:
+            gate = self.gates.get(model)
+            if gate is not None:
+                gate.poke()  # more slots may dispatch waiters now
+        return direction
 
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
+            self._infos[model] = info
             gate = self.gates[model] = Gate(
-                self.config, lambda: self.capacity(info), self.clock, self.observer
+                self.config,
+                lambda: self.capacity(info, model),
+                self.clock,
+                self.observer,
+                instances=lambda: len(self.fleet.serving(model)),
+                lateness=LatenessPredictor() if self.config.shed_late else None,
             )
         return gate
 
@@ -73,11 +138,25 @@ class ModelGates:
         async with self.gate(model, info).admit(class_name):
             yield self.config.triton_priority_for(class_name, info.priority_levels)
 
+    def queued_total(self) -> int:
+        """Requests waiting in any model's class queue."""
+        return sum(gate.queued() for gate in self.gates.values())
+
     def poke(self) -> None:
         for gate in self.gates.values():
             gate.poke()
 
     def reconfigure(self, config: SchedulingConfig) -> None:
+        for gate in self.gates.values():
+            if config.shed_late and gate.lateness is None:
+                gate.lateness = LatenessPredictor()
+            elif not config.shed_late:
+                gate.lateness = None
+        if (
+            config.adaptive() != self.config.adaptive()
+            or config.adaptive_concurrency != self.config.adaptive_concurrency
+        ):
+            self.adaptive = self._new_adaptive(config)
         self.config = config
         for gate in self.gates.values():
             gate.reconfigure(config)

@@ -48,6 +48,8 @@ class ShedReason(enum.StrEnum):
     OVERLOAD = "overload"
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
+    LATE = "late"
+    """Predicted (or already certain) to be answered after its class's SLO."""
 
 
 @dataclass(eq=False, slots=True)
@@ -87,6 +89,19 @@ class ClassQueues(Generic[T]):
         self._total_in_flight = 0
         self._total_queued = 0
         self._seq = 0
+        self._top_rank = min(c.rank for c in config.classes.values())
+        self._scale: dict[str, float] = {}
+
+    def set_share_scale(self, class_name: str, factor: float) -> None:
+        """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"share scale must be in (0, 1], got {factor}")
+        self._scale[class_name] = factor
+
+    def _limit(self, name: str, capacity: int, instances: int) -> int:
+        return self._config.classes[name].share_limit(
+            capacity, instances, self._scale.get(name, 1.0)
+        )
 
     @property
     def config(self) -> SchedulingConfig:
@@ -98,6 +113,13 @@ class ClassQueues(Generic[T]):
             return self._total_queued
         q = self._queues.get(class_name)
         return len(q) if q is not None else 0
+
+    def queued_ahead(self, class_name: str) -> int:
+        """Requests queued in ``class_name`` and in more important classes (lower rank)."""
+        rank = self._config.classes[class_name].rank
+        return sum(
+            len(q) for name, q in self._queues.items() if self._config.classes[name].rank <= rank
+        )
 
     def in_flight(self, class_name: str | None = None) -> int:
         """Requests dispatched and not yet released, in one class or (None) in all."""
@@ -163,8 +185,10 @@ class ClassQueues(Generic[T]):
                 soonest = at
         return soonest
 
-    def pop(self, now: float, capacity: int) -> Entry[T] | None:
+    def pop(self, now: float, capacity: int, instances: int = 1) -> Entry[T] | None:
         """Dispatch the next entry if a slot out of ``capacity`` may be used; take that slot.
+
+        ``instances`` (healthy instances) bounds classes with ``max_per_instance``.
 
         Call :meth:`expire` first; ``pop`` does not look at timeouts.
         """
@@ -177,7 +201,8 @@ class ClassQueues(Generic[T]):
                 continue
             cls = self._config.classes[name]
             held = self._in_flight.get(name, 0)
-            short = min(cls.reserved(capacity) - held, len(queue), cls.share_limit(capacity) - held)
+            limit = self._limit(name, capacity, instances)
+            short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
             if short > 0:
                 reserved[name] = short
         total_reserved = sum(reserved.values())
@@ -185,7 +210,7 @@ class ClassQueues(Generic[T]):
             name
             for name, queue in self._queues.items()
             if queue
-            and self._in_flight.get(name, 0) < self._config.classes[name].share_limit(capacity)
+            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances)
             and (name in reserved or free > total_reserved)
         ]
         if not eligible:
@@ -246,6 +271,7 @@ class ClassQueues(Generic[T]):
         self._queues = queues
         self._wrr = {n: self._wrr.get(n, 0) for n in config.classes}
         self._config = config
+        self._top_rank = min(c.rank for c in config.classes.values())
 
     def _least_important_queued(self) -> str | None:
         candidates = [n for n, q in self._queues.items() if q]
@@ -255,7 +281,9 @@ class ClassQueues(Generic[T]):
 
     def _effective_rank(self, cls: ClassConfig, waited: float) -> int:
         gained = math.floor(max(0.0, waited) / self._config.aging.step_s + _EPS)
-        return max(0, cls.rank - gained)
+        # Aging never lifts a class above the most important one (see AgingConfig).
+        floor_rank = min(cls.rank, self._top_rank + 1)
+        return max(floor_rank, cls.rank - gained)
 
     def _pick_aged(self, eligible: list[str], now: float) -> str:
         def key(name: str) -> tuple[int, float, int, int]:

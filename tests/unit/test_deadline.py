@@ -73,7 +73,7 @@ def test_check_sheds_once_the_deadline_is_reached() -> None:
     deadline.check(5.1, 5.0, "m")
     with pytest.raises(ProxyError) as info:
         deadline.check(5.0, 5.0, "m")
-    assert info.value.code is Code.DEADLINE_EXCEEDED
+    assert info.value.code is Code.CLIENT_DEADLINE
     assert "'m'" in info.value.message
 
 
@@ -90,7 +90,7 @@ async def test_before_cancels_the_work_at_the_deadline() -> None:
 
     with pytest.raises(ProxyError) as info:
         await deadline.before(clock.now() + 0.05, clock, "m", work())
-    assert info.value.code is Code.DEADLINE_EXCEEDED
+    assert info.value.code is Code.CLIENT_DEADLINE
     assert unwound.is_set()
 
 

@@ -23,7 +23,7 @@ def test_track_releases_exactly_once_on_error() -> None:
 def test_ejection_backoff_and_recovery() -> None:
     fleet, clock = make(backoff_initial_s=1, backoff_max_s=4)
     inst = fleet.get("i0")
-    fleet.report_failure(inst, "refused")
+    fleet.report_failure(inst, "refused", immediate=True)
     assert not inst.healthy and [i.name for i in fleet.healthy()] == ["i1"]
     assert inst.next_probe_at == 1
     for expected in (2, 4, 4):
@@ -36,11 +36,39 @@ def test_ejection_backoff_and_recovery() -> None:
     assert inst.healthy and inst.ejected_reason == ""
 
 
-def test_eject_after_several_failures() -> None:
+def test_eject_after_several_consecutive_failures() -> None:
     fleet, _ = make(eject_after_failures=3)
     inst = fleet.get("i0")
+    fleet.report_failure(inst, "x")
+    fleet.report_failure(inst, "x")
+    fleet.report_answer(inst)  # an answer in between: the failures were not consecutive
     fleet.report_failure(inst, "x")
     fleet.report_failure(inst, "x")
     assert inst.healthy
     fleet.report_failure(inst, "x")
     assert not inst.healthy
+
+
+def test_refused_ejects_at_once() -> None:
+    fleet, _ = make(eject_after_failures=3)
+    inst = fleet.get("i0")
+    fleet.report_failure(inst, "refused", immediate=True)
+    assert not inst.healthy
+
+
+def test_model_out_on_one_instance_only() -> None:
+    fleet, clock = make(backoff_initial_s=1, backoff_max_s=4)
+    i0, i1 = fleet.get("i0"), fleet.get("i1")
+    changes: list[str] = []
+    fleet.listeners.append(lambda i: changes.append(i.name))
+    fleet.exclude_model(i0, "m", "unloaded")
+    fleet.exclude_model(i0, "m", "unloaded")  # once is enough
+    assert changes == ["i0"]
+    assert fleet.serving("m") == [i1] and fleet.serving("other") == [i0, i1]
+    assert i0.healthy and fleet.due_model_probes() == []
+    clock.advance(1)
+    assert fleet.due_model_probes() == [(i0, "m")]
+    fleet.model_probe_failed(i0, "m")
+    assert i0.models_out["m"].backoff_s == 2 and fleet.due_model_probes() == []
+    fleet.include_model(i0, "m")
+    assert fleet.serving("m") == [i0, i1] and changes == ["i0", "i0"]

@@ -34,7 +34,11 @@ async def test_probe_timeout_ejects_only_a_server_that_stopped_answering(
     slow_server: str, answering: bool
 ) -> None:
     clock = MonotonicClock()
-    fleet = Fleet((InstanceSpec("t0", slow_server),), HealthConfig(timeout_s=0.2), clock)
+    fleet = Fleet(
+        (InstanceSpec("t0", slow_server),),
+        HealthConfig(timeout_s=0.2, eject_after_failures=1),
+        clock,
+    )
     inst = fleet.get("t0")
     if answering:
         inst.last_answer_at = clock.now()  # it just answered a forwarded request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import Counter
@@ -187,6 +188,7 @@ def test_registry_lists_every_policy() -> None:
         "weighted_score",
         "p2c",
         "consistent_hash",
+        "expected_start",
     }
     for name in POLICIES:
         policy = build_policy(name, None, random.Random(0))
@@ -212,3 +214,33 @@ def test_registry_errors_name_the_path(name: str, params: dict[str, Any], match:
     if name == "leastconn":
         for known in POLICIES:
             assert known in str(info.value)
+
+
+# --- expected_start ----------------------------------------------------------------------
+
+
+def _es(request: RouteRequest, *cands: Candidate, seed: int = 0) -> str:
+    policy = build_policy("expected_start", {"long_weight": 3.0}, random.Random(seed))
+    return policy.choose(list(cands), request).name
+
+
+def test_expected_start_keeps_short_requests_off_instances_running_long_work() -> None:
+    short = RouteRequest(model=MODEL, level=1, batch=16)
+    busy_short = dataclasses.replace(cand("a", in_flight=20), ahead=20)
+    running_long = dataclasses.replace(cand("b", in_flight=2), ahead=1, long_in_flight=1)
+    assert _es(short, busy_short, running_long) == "a"  # 21/16 + 0 < 2/16 + 3
+
+
+def test_expected_start_counts_only_work_at_the_same_or_higher_priority() -> None:
+    short = RouteRequest(model=MODEL, level=1, batch=16)
+    # b holds 40 requests, but all at lower priority levels: Triton serves this one first.
+    a = dataclasses.replace(cand("a", in_flight=20), ahead=20)
+    b = dataclasses.replace(cand("b", in_flight=40), ahead=0)
+    assert _es(short, a, b) == "b"
+
+
+def test_expected_start_spreads_long_requests() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    a = dataclasses.replace(cand("a", in_flight=1), long_in_flight=1)
+    b = cand("b", in_flight=5)
+    assert _es(long, a, b) == "b"

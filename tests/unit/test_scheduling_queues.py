@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -64,46 +65,45 @@ def test_aging_lifts_one_level_per_step() -> None:
     assert drain(q, now=1.5, capacity=1) == ["o1"]
 
 
-@pytest.mark.parametrize(
-    ("rank", "step_s", "service_s", "backlog"),
-    [
-        (1, 1.0, 0.1, 3),
-        (2, 1.0, 0.1, 3),
-        (2, 0.5, 0.05, 10),
-        (3, 0.2, 0.1, 50),  # the backlog ahead of it dominates the bound
-        (5, 2.0, 0.01, 0),
-    ],
-)
-def test_aging_bound_under_saturating_high_priority_stream(
-    rank: int, step_s: float, service_s: float, backlog: int
+@pytest.mark.parametrize("waited_s", [0.5, 3.0, 1e6])
+def test_aging_never_lifts_a_lower_class_above_the_top_class(waited_s: float) -> None:
+    q = make(THREE, aging={"step_s": 1.0})
+    q.push("o1", "off", now=0.0)
+    q.push("r1", "rt", now=waited_s)
+    assert drain(q, now=waited_s, capacity=1) == ["r1"]
+
+
+@pytest.mark.parametrize(("min_share", "capacity"), [(0.1, 10), (0.25, 8), (0.3, 3), (0.5, 4)])
+def test_min_share_keeps_the_lowest_class_served_under_a_saturating_top_class(
+    min_share: float, capacity: int
 ) -> None:
+    """Two top-class arrivals per completion keep its queue full for ever; the low class still
+    holds floor(min_share x capacity) slots whenever it has work waiting."""
     q = make(
-        {"hi": {"rank": 0, "queue_timeout_s": None}, "lo": {"rank": rank, "queue_timeout_s": None}},
-        aging={"step_s": step_s},
+        {
+            "hi": {"rank": 0, "queue_timeout_s": None},
+            "lo": {"rank": 2, "queue_timeout_s": None, "min_share": min_share},
+        },
+        aging={"step_s": 0.01},
     )
+    reserved = math.floor(min_share * capacity + 1e-9)
     now = 0.0
-    for i in range(backlog):
-        q.push(f"hi{i}", "hi", now)
-    q.push("LO", "lo", now)
-    ahead = q.queued() - 1
-    dispatched_at = None
-    n = 0
-    while dispatched_at is None:
-        # Two high-priority arrivals per service time: the high class never runs dry.
-        q.push(f"hi-a{n}", "hi", now)
-        q.push(f"hi-b{n}", "hi", now)
-        n += 1
-        entry = q.pop(now, capacity=1)
-        assert entry is not None
-        if entry.item == "LO":
-            dispatched_at = now
-        now += service_s
-        q.release(entry.class_name)
-        assert now < 1000, "the low-priority request starved"
-    bound = rank * step_s + ahead * service_s + service_s  # + one service time of granularity
-    assert dispatched_at <= bound + 1e-9
-    # And it was not served early: strictness held until aging reached rank 0.
-    assert dispatched_at >= rank * step_s - 1e-9
+    running: list[str] = []  # dispatched classes, oldest first: completions are FIFO
+    low_served = 0
+    for step in range(400):
+        q.push(f"hi-a{step}", "hi", now)
+        q.push(f"hi-b{step}", "hi", now)
+        q.push(f"lo{step}", "lo", now)
+        while (entry := q.pop(now, capacity)) is not None:
+            running.append(entry.class_name)
+            low_served += entry.class_name == "lo"
+        if step > capacity:
+            # The top class's queue never empties, yet the reservation holds.
+            assert q.in_flight("lo") >= max(reserved, 0)
+        q.release(running.pop(0))
+        now += 0.05
+    # Offline got its share of the throughput, not just its first slots.
+    assert low_served >= reserved * 400 // capacity - 1
 
 
 @pytest.mark.parametrize(
@@ -313,22 +313,25 @@ def test_reconfigure_moves_orphans_to_default_in_arrival_order() -> None:
 
 @pytest.mark.parametrize("dispatch", ["strict_aging", "weighted_round_robin"])
 def test_never_starves_any_class_over_a_long_saturated_run(dispatch: str) -> None:
+    """Under strict order the lower classes' guarantee is their min_share (aging never lifts
+    them above the top class); under WRR it is their weight."""
     q = make(
         {
             "rt": {"rank": 0, "queue_timeout_s": None},
-            "on": {"rank": 1, "queue_timeout_s": None},
-            "off": {"rank": 2, "max_share": 0.3, "queue_timeout_s": None},
+            "on": {"rank": 1, "queue_timeout_s": None, "min_share": 0.1},
+            "off": {"rank": 2, "max_share": 0.3, "queue_timeout_s": None, "min_share": 0.1},
         },
         dispatch=dispatch,
     )
     now = 0.0
     seen: Counter[str] = Counter()
+    running: list[str] = []
     for step in range(2000):
-        for cls in ("rt", "rt", "on", "off"):  # four arrivals per dispatch
+        for cls in ("rt", "rt", "on", "off"):  # four arrivals per completion
             q.push(f"{cls}{step}", cls, now)
-        entry = q.pop(now, capacity=1)
-        assert entry is not None
-        seen[entry.class_name] += 1
-        q.release(entry.class_name)
+        while (entry := q.pop(now, capacity=10)) is not None:
+            seen[entry.class_name] += 1
+            running.append(entry.class_name)
+        q.release(running.pop(0))
         now += 0.01
-    assert all(seen[c] > 0 for c in ("rt", "on", "off")), seen
+    assert all(seen[c] >= 150 for c in ("rt", "on", "off")), seen

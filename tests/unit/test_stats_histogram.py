@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from proxy.bench.histogram import Histogram
+from proxy.stats.histogram import Histogram
 
 
 def exact(values: np.ndarray, q: float) -> int:

@@ -1,0 +1,371 @@
+"""Runs the SLO loops: feeds them, asks them each tick, applies (or, in dry run, only reports).
+
+:class:`ControlLoops` subscribes to the runtime's :class:`~proxy.observer.RequestObservers` for
+the class latencies, reads the gates (queued requests) and the scraper (Triton's queue time and
+pending requests) once per ``tick_s``, and hands each decision to the gate (class limits) or to
+the :class:`~proxy.control.apply.WindowApplier` (batching window, in a background task, one
+model at a time). Every decision is counted, exported and logged with its reason.
+
+Only the leader runs the loops (``is_leader``, injected; every process but one sees False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from proxy.clock import Clock
+from proxy.control.apply import WindowApplier
+from proxy.control.batching import BatchingController, BatchingSample, ClassP99
+from proxy.control.class_limits import ClassLimitController
+from proxy.control.config import ControlConfig
+from proxy.control.decision import Decision
+from proxy.fleet.instances import Fleet
+from proxy.fleet.model_control import ModelControlError
+from proxy.fleet.snapshot import InstanceSnapshot
+from proxy.observer import RequestRecord
+from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.models import ModelGates
+from proxy.stats.window import WindowedQuantiles
+from proxy.telemetry import Telemetry
+
+log = logging.getLogger("proxy.control")
+
+
+@dataclass(frozen=True)
+class ClassRoles:
+    """Which class the loops protect and which they may limit."""
+
+    top: str
+    """The most important class with ``slo_p99_ms``."""
+    slo_s: Mapping[str, float]
+    """Every class with an SLO, in seconds."""
+    lower: tuple[str, ...]
+    """Classes ranked below ``top``, most important first."""
+    throughput: tuple[str, ...]
+    """Classes without an SLO."""
+
+    @staticmethod
+    def of(scheduling: SchedulingConfig | None) -> ClassRoles | None:
+        if scheduling is None:
+            return None
+        classes = scheduling.classes
+        slo = {n: c.slo_p99_ms / 1e3 for n, c in classes.items() if c.slo_p99_ms is not None}
+        if not slo:
+            return None
+        top = min(slo, key=lambda n: (classes[n].rank, n))
+        rank = classes[top].rank
+        lower = tuple(
+            sorted((n for n, c in classes.items() if c.rank > rank), key=lambda n: classes[n].rank)
+        )
+        throughput = tuple(n for n in classes if n not in slo)
+        return ClassRoles(top, slo, lower, throughput)
+
+
+class ControlLoops:
+    def __init__(
+        self,
+        config: ControlConfig,
+        scheduling: SchedulingConfig | None,
+        *,
+        fleet: Fleet,
+        gates: Callable[[], ModelGates | None],
+        snapshots: Callable[[], Mapping[str, InstanceSnapshot]],
+        applier: WindowApplier,
+        clock: Clock,
+        telemetry: Telemetry,
+        is_leader: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.fleet = fleet
+        self.gates = gates
+        self.snapshots = snapshots
+        self.applier = applier
+        self.clock = clock
+        self.telemetry = telemetry
+        self.is_leader = is_leader
+        self.config = config
+        self.scheduling = scheduling
+        self.roles = ClassRoles.of(scheduling)
+        self._latency: dict[tuple[str, str], WindowedQuantiles] = {}
+        self._backlog: dict[str, deque[tuple[float, float]]] = {}
+        self._limits: dict[str, ClassLimitController] = {}
+        self._batching: dict[str, BatchingController] = {}
+        self.window_target: dict[str, int] = {}
+        """Each model's window as the loop sees it (in dry run, the one it would have set)."""
+        self.windows: dict[tuple[str, str], int] = {}
+        """(instance, model) -> the window Triton runs there, as last read or set."""
+        self._off: set[str] = set()
+        """Models the batching loop gave up on (no dynamic batcher, or model control refused)."""
+        self._applying: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._warned_no_slo = False
+        applier.on_window = self._learn_window
+
+    # --- inputs ---------------------------------------------------------------------------
+    def on_request(self, record: RequestRecord) -> None:
+        if record.outcome != "ok" or self.roles is None:
+            return
+        if record.class_name not in self.roles.slo_s:
+            return
+        key = (record.model, record.class_name)
+        w = self._latency.get(key)
+        if w is None:
+            w = self._latency[key] = WindowedQuantiles(self.config.window_s)
+        w.record(record.latency_s, record.at)
+
+    def p99(self, model: str, class_name: str, now: float) -> float | None:
+        w = self._latency.get((model, class_name))
+        if w is None:
+            return None
+        merged = w.merged(now)
+        if merged.count < self.config.min_samples:
+            return None
+        value = merged.quantile(0.99)
+        return None if value is None else value / 1e6
+
+    def _learn_window(self, instance: str, model: str, window_us: int | None) -> None:
+        if window_us is None:
+            self.windows.pop((instance, model), None)
+        else:
+            self.windows[(instance, model)] = window_us
+
+    # --- reload ---------------------------------------------------------------------------
+    def reconfigure(self, config: ControlConfig, scheduling: SchedulingConfig | None) -> None:
+        was = self.config
+        self.config = config
+        self.scheduling = scheduling
+        self.roles = ClassRoles.of(scheduling)
+        if config.window_s != was.window_s:
+            self._latency.clear()
+        for c in self._limits.values():
+            c.reconfigure(config.class_limits)
+        for b in self._batching.values():
+            b.reconfigure(config.batching)
+        if not config.class_limits.enabled or config.dry_run:
+            self._reset_limits()
+        if not config.class_limits.enabled:
+            self._limits.clear()
+        if not config.batching.enabled:
+            self._batching.clear()
+            self.window_target.clear()
+        self._off.clear()  # a new policy may name other models; give each one a new try
+
+    def _reset_limits(self) -> None:
+        gates = self.gates()
+        for model, ctl in self._limits.items():
+            for name in ctl.factors:
+                if gates is not None and model in gates.gates:
+                    gates.gates[model].set_share_scale(name, 1.0)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="control-loops")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._applying.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._task = None
+        self._applying.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            if self.config.any_enabled and self.is_leader():
+                await self.tick()
+
+    # --- one tick -------------------------------------------------------------------------
+    async def tick(self) -> None:
+        now = self.clock.now()
+        roles = self.roles
+        if roles is None:
+            if not self._warned_no_slo:
+                self._warned_no_slo = True
+                log.warning(
+                    "control loops are on but no scheduling class has slo_p99_ms: nothing to do"
+                )
+            return
+        gates = self.gates()
+        models = set(gates.gates) if gates is not None else set()
+        models.update(m for m, _ in self._latency)
+        snaps = self.snapshots()
+        for model in sorted(models):
+            self._sample_backlog(model, roles, gates, snaps, now)
+            if self.config.class_limits.enabled:
+                self._tick_limits(model, roles, gates, now)
+            if self.config.batching.enabled:
+                await self._tick_batching(model, roles, snaps, now)
+
+    def _sample_backlog(
+        self,
+        model: str,
+        roles: ClassRoles,
+        gates: ModelGates | None,
+        snaps: Mapping[str, InstanceSnapshot],
+        now: float,
+    ) -> None:
+        queued = 0
+        gate = gates.gates.get(model) if gates is not None else None
+        if gate is not None:
+            queued = sum(gate.queued(c) for c in roles.throughput)
+        pending = sum(s.model(model).pending for s in snaps.values())
+        d = self._backlog.setdefault(model, deque())
+        d.append((now, queued + pending))
+        while d and d[0][0] <= now - self.config.window_s:
+            d.popleft()
+
+    def backlog(self, model: str) -> float:
+        d = self._backlog.get(model)
+        return sum(v for _, v in d) / len(d) if d else 0.0
+
+    def _tick_limits(
+        self, model: str, roles: ClassRoles, gates: ModelGates | None, now: float
+    ) -> None:
+        ctl = self._limits.get(model)
+        if ctl is None:
+            ctl = self._limits[model] = ClassLimitController(model, self.config.class_limits)
+        d = ctl.observe(
+            roles.top, self.p99(model, roles.top, now), roles.slo_s[roles.top], roles.lower, now
+        )
+        if d is None:
+            return
+        if not self.config.dry_run and gates is not None and model in gates.gates:
+            gates.gates[model].set_share_scale(d.target, d.new)
+        self._report(d, f"{d.old:.2f} -> {d.new:.2f}")
+
+    async def _tick_batching(
+        self,
+        model: str,
+        roles: ClassRoles,
+        snaps: Mapping[str, InstanceSnapshot],
+        now: float,
+    ) -> None:
+        if model in self._off or model in self._applying:
+            return
+        cfg = self.config.batching
+        if cfg.models and model not in cfg.models:
+            return
+        current = self.window_target.get(model)
+        if current is None:
+            current = await self._read_window(model)
+            if current is None:
+                return
+            self.window_target[model] = current
+        ctl = self._batching.get(model)
+        if ctl is None:
+            ctl = self._batching[model] = BatchingController(cfg)
+        queue = [s.model(model).queue_us for s in snaps.values()]
+        known = [q for q in queue if q is not None]
+        sample = BatchingSample(
+            model=model,
+            window_us=current,
+            top=roles.top,
+            slo_classes={
+                n: ClassP99(self.p99(model, n, now), slo) for n, slo in roles.slo_s.items()
+            },
+            triton_queue_us=sum(known) / len(known) if known else None,
+            backlog=self.backlog(model),
+        )
+        d = ctl.observe(sample, now)
+        if d is None:
+            return
+        ctl.changed(now)
+        self.window_target[model] = int(d.new)
+        self._report(d, f"{d.old / 1e3:g} ms -> {d.new / 1e3:g} ms")
+        if not self.config.dry_run:
+            self._applying[model] = asyncio.create_task(
+                self._apply(model, int(d.new)), name=f"control-window-{model}"
+            )
+
+    async def _read_window(self, model: str) -> int | None:
+        for instance in self.fleet.healthy():
+            try:
+                window = await self.applier.read(instance, model)
+            except ModelControlError as exc:
+                log.debug("cannot read %s's config on %s: %s", model, instance.name, exc)
+                continue
+            if window is None:
+                self._turn_off(model, "no_dynamic_batching", "the model has no dynamic batcher")
+            return window
+        return None
+
+    async def _apply(self, model: str, window_us: int) -> None:
+        cfg = self.config.batching
+        try:
+            result = await self.applier.apply(
+                model,
+                window_us,
+                drain_timeout_s=cfg.drain_timeout_s,
+                ready_timeout_s=cfg.ready_timeout_s,
+            )
+            if result.refused:
+                self._turn_off(
+                    model,
+                    "refused",
+                    f"Triton refused to reload it ({result.failed}); start the servers with "
+                    "--model-control-mode=explicit to let the proxy tune the batching window",
+                )
+                self.window_target.pop(model, None)
+            elif result.failed is not None:
+                # The next tick re-reads the window Triton runs (the dwell still applies).
+                self.window_target.pop(model, None)
+                self.telemetry.control_apply_failures.labels("batching", model).inc()
+                log.warning(
+                    "batching window of %s not applied everywhere (%s); changed on: %s",
+                    model,
+                    result.failed,
+                    ", ".join(result.changed) or "none",
+                )
+            else:
+                log.info(
+                    "batching window of %s is %g ms on %s",
+                    model,
+                    window_us / 1e3,
+                    ", ".join(result.changed) or "every instance already",
+                )
+        finally:
+            self._applying.pop(model, None)
+
+    def _turn_off(self, model: str, reason: str, why: str) -> None:
+        if model in self._off:
+            return
+        self._off.add(model)
+        self.telemetry.control_off.labels("batching", model, reason).inc()
+        log.warning("batching-window loop off for model %s: %s", model, why)
+
+    def _report(self, d: Decision, change: str) -> None:
+        dry = self.config.dry_run
+        counter = self.telemetry.control_dry_run_decisions if dry else self.telemetry.control
+        counter.labels(d.loop, d.model, d.direction, d.reason).inc()
+        log.info(
+            "%s%s %s %s %s: %s (%s)",
+            "dry run: would change " if dry else "",
+            d.loop,
+            d.model,
+            d.target,
+            change,
+            d.reason,
+            d.detail,
+        )
+
+    # --- export ---------------------------------------------------------------------------
+    def class_limits(self) -> list[tuple[str, str, float]]:
+        """(model, class, share of the slots the class may hold) for every class below the top
+        one: its ``max_share`` times the loop's factor (in dry run: the factor it would set)."""
+        roles, scheduling = self.roles, self.scheduling
+        if roles is None or scheduling is None:
+            return []
+        out = []
+        for model, ctl in self._limits.items():
+            for name in roles.lower:
+                cls = scheduling.classes.get(name)
+                if cls is not None:
+                    out.append((model, name, cls.max_share * ctl.factor(name)))
+        return out

@@ -1,0 +1,162 @@
+"""What a request costs: estimated from its input shapes, learned per model from timings.
+
+**Estimate.** ``cost = max over inputs of rows x longest other dimension`` (``rows`` alone for a
+1-D input): the padded work one request adds to a batch on an accelerator, whose time follows
+``fixed + per_unit x batch x longest sequence``. It is read from what the frontends parse
+anyway: the ``shape`` arrays of the JSON header (HTTP JSON and binary tensors) and
+``ModelInferRequest.inputs[].shape`` (gRPC, walked on the wire; tensor bytes are skipped).
+
+**Long requests.** A request is *long* when its cost is at least ``long_ratio`` times the
+model's typical cost (an exponentially weighted median of recent costs), or its class is capped
+per instance. Placement keeps short, important requests away from instances running long work.
+
+**Learning the curve.** :class:`CostModel` fits ``seconds = base_s + per_unit_s x cost`` per model
+by exponentially weighted least squares over requests that ran alone on their instance (no
+other request of the model in flight there when it was sent and when it finished: its time is
+one batch of exactly itself plus the network). ``scheduling.cost`` in the policy file
+overrides the fit per model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from proxy.frontends.kserve_grpc import nested_fields, packed_varints
+
+_SHAPE = re.compile(rb'"shape"\s*:\s*\[([0-9,\s]*)\]')
+_INPUTS = 5  # ModelInferRequest.inputs
+_SHAPE_FIELD = 3  # InferInputTensor.shape (packed int64)
+_MAX_COST = 1e12
+
+
+def shape_cost(shape: list[int]) -> float:
+    """``rows x longest other dimension`` of one input (``rows`` for a 1-D input)."""
+    if not shape:
+        return 1.0
+    rows = max(1, shape[0])
+    rest = [d for d in shape[1:] if d > 0]
+    return float(rows * max(rest)) if rest else float(rows)
+
+
+def _combine(shapes: list[list[int]]) -> float:
+    if not shapes:
+        return 1.0
+    return min(_MAX_COST, max(shape_cost(s) for s in shapes))
+
+
+def http_cost(json_header: bytes) -> float:
+    """Cost from the ``shape`` arrays of an HTTP JSON header (1 when none is readable).
+
+    A regular expression, not a JSON parse: a header may carry megabytes of JSON tensor data,
+    and inside a JSON string a quote is escaped, so ``"shape"`` only matches a real key.
+    """
+    shapes = []
+    for m in _SHAPE.finditer(json_header):
+        dims = [int(d) for d in m.group(1).split(b",") if d.strip()]
+        shapes.append(dims)
+    return _combine(shapes)
+
+
+def grpc_cost(request: bytes) -> float:
+    """Cost from a serialized ``ModelInferRequest``'s input shapes (1 when unreadable)."""
+    try:
+        shapes = [
+            packed_varints(value)
+            for tensor in nested_fields(request, _INPUTS)
+            for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
+        ]
+    except (ValueError, IndexError):
+        return 1.0
+    return _combine(shapes)
+
+
+@dataclass(frozen=True)
+class CostOverride:
+    """A model's cost curve, set by the operator instead of learned."""
+
+    base_ms: float
+    per_unit_us: float
+
+    def __post_init__(self) -> None:
+        if self.base_ms < 0 or self.per_unit_us < 0:
+            raise ValueError("base_ms and per_unit_us must be >= 0")
+
+
+@dataclass
+class _Fit:
+    """Exponentially weighted sums for a least-squares line through (cost, seconds)."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    typical: float = 0.0
+    """Exponentially weighted median of costs (stochastic approximation)."""
+    samples: int = 0
+
+    def add(self, cost: float, seconds: float, decay: float) -> None:
+        self.w = self.w * decay + 1.0
+        self.x = self.x * decay + cost
+        self.y = self.y * decay + seconds
+        self.xx = self.xx * decay + cost * cost
+        self.xy = self.xy * decay + cost * seconds
+        self.samples += 1
+
+
+@dataclass
+class CostModel:
+    """Per model: the typical cost of its requests and its service-time curve.
+
+    ``observe_cost`` sees every request (for the long threshold); ``observe_alone`` sees the
+    timings of requests that ran alone (for the curve). Pure: no clock, no I/O.
+    """
+
+    long_ratio: float = 4.0
+    decay: float = 0.99
+    """Weight kept by past samples per new one (about the last 100 count)."""
+    overrides: dict[str, CostOverride] = field(default_factory=dict)
+    _fits: dict[str, _Fit] = field(default_factory=dict)
+
+    def observe_cost(self, model: str, cost: float) -> None:
+        fit = self._fits.setdefault(model, _Fit(typical=cost))
+        # Median tracking: step towards the sample by a fraction of the current estimate.
+        step = 0.05 * max(fit.typical, 1.0)
+        fit.typical += step if cost > fit.typical else -step if cost < fit.typical else 0.0
+        fit.typical = max(fit.typical, 1.0)
+
+    def is_long(self, model: str, cost: float) -> bool:
+        fit = self._fits.get(model)
+        return fit is not None and cost >= self.long_ratio * fit.typical
+
+    def observe_alone(self, model: str, cost: float, seconds: float) -> None:
+        self._fits.setdefault(model, _Fit(typical=cost)).add(cost, seconds, self.decay)
+
+    def curve(self, model: str) -> tuple[float, float] | None:
+        """``(base_s, per_unit_s)`` for ``model``, or None before enough samples."""
+        override = self.overrides.get(model)
+        if override is not None:
+            return override.base_ms / 1e3, override.per_unit_us / 1e6
+        fit = self._fits.get(model)
+        if fit is None or fit.samples < 10 or fit.w <= 0:
+            return None
+        mean_x, mean_y = fit.x / fit.w, fit.y / fit.w
+        var = fit.xx / fit.w - mean_x * mean_x
+        if var <= 1e-12 * max(1.0, mean_x * mean_x):
+            return max(0.0, mean_y), 0.0  # one size seen so far: a flat line through it
+        slope = max(0.0, (fit.xy / fit.w - mean_x * mean_y) / var)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def batch_seconds(self, model: str, batch: int) -> float | None:
+        """Expected time of a full batch of ``batch`` typical requests (padding to the
+        typical cost), or None when the curve is unknown."""
+        fit = self._fits.get(model)
+        if fit is None:
+            return None
+        return self.seconds(model, max(1, batch) * fit.typical)
+
+    def seconds(self, model: str, cost: float) -> float | None:
+        """Expected service time of a batch of this one request, or None when unknown."""
+        curve = self.curve(model)
+        return None if curve is None else curve[0] + curve[1] * cost

@@ -1,0 +1,83 @@
+"""Deadline admission for latency classes: shed now what would be served after its SLO.
+
+A request of a class with ``slo_p99_ms`` has a budget of that long from its arrival. Serving it
+after the budget spends capacity on an answer that already missed its objective, while the
+requests behind it wait longer still; shedding it at once (429 + ``Retry-After``, gRPC
+``RESOURCE_EXHAUSTED``) lets its client retry elsewhere or degrade, and keeps the rest on time.
+Classes without a latency SLO (throughput classes) are never shed for latency, only by their
+quotas and queue limits.
+
+**Prediction** (per model gate), at arrival::
+
+    predicted = ahead / dispatch_rate + inside(class)
+
+``ahead`` counts requests queued in the same or more important classes (they leave first),
+``dispatch_rate`` is the gate's dispatches per second over the last ``window_s`` and
+``inside(class)`` an exponentially weighted mean of the class's time inside Triton. The
+request is shed when ``predicted > slo``. Before ``min_dispatches`` dispatches in the window
+(a cold or idle gate) nothing is predicted and nothing shed. At dispatch, a request that has
+already waited ``slo - inside(class)`` is shed instead of sent: it would be answered late.
+
+Only waiting is ever blamed: when ``inside(class)`` alone exceeds the SLO (the model is slower
+than the objective, whatever the queue), nothing is shed, since shedding could not help.
+
+Pure: no clock of its own, every call takes ``now``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LatenessPredictor:
+    window_s: float = 2.0
+    min_dispatches: int = 20
+    alpha: float = 0.1
+    """Weight of each new sample in the inside-time means."""
+    _dispatches: deque[float] = field(default_factory=deque)
+    _inside: dict[str, float] = field(default_factory=dict)
+
+    def on_dispatch(self, now: float) -> None:
+        self._dispatches.append(now)
+        self._trim(now)
+
+    def observe_inside(self, class_name: str, seconds: float) -> None:
+        old = self._inside.get(class_name)
+        self._inside[class_name] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def inside(self, class_name: str) -> float:
+        return self._inside.get(class_name, 0.0)
+
+    def rate(self, now: float) -> float | None:
+        """Dispatches per second over the window, or None while too few to trust."""
+        self._trim(now)
+        if len(self._dispatches) < self.min_dispatches:
+            return None
+        return len(self._dispatches) / self.window_s
+
+    def predicted_s(self, ahead: int, class_name: str, now: float) -> float | None:
+        """Predicted arrival-to-answer time of a request with ``ahead`` queued before it."""
+        rate = self.rate(now)
+        if rate is None:
+            return None
+        return ahead / rate + self.inside(class_name)
+
+    def shed_at_arrival(self, ahead: int, class_name: str, slo_s: float, now: float) -> bool:
+        """Whether a request arriving with ``ahead`` queued before it should be shed now."""
+        if self.inside(class_name) >= slo_s:
+            return False
+        predicted = self.predicted_s(ahead, class_name, now)
+        return predicted is not None and predicted > slo_s
+
+    def late(self, waited_s: float, class_name: str, slo_s: float) -> bool:
+        """Whether a request that waited ``waited_s`` would be answered after ``slo_s``
+        because of that wait."""
+        inside = self.inside(class_name)
+        return inside < slo_s < waited_s + inside
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._dispatches and self._dispatches[0] < horizon:
+            self._dispatches.popleft()

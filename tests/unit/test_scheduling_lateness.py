@@ -1,0 +1,107 @@
+"""Deadline admission: latency classes are shed instead of served after their SLO."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.scheduling.config import load_scheduling
+from proxy.scheduling.gate import Gate, RecordingObserver, Shed
+from proxy.scheduling.lateness import LatenessPredictor
+from proxy.scheduling.queues import ShedReason
+
+
+def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
+    p = LatenessPredictor(window_s=1.0, min_dispatches=5)
+    for i in range(4):
+        p.on_dispatch(i * 0.1)
+    assert p.predicted_s(100, "rt", 0.5) is None
+    p.on_dispatch(0.5)
+    p.observe_inside("rt", 0.05)
+    assert p.predicted_s(10, "rt", 0.5) == pytest.approx(10 / 5 + 0.05)
+    assert p.rate(5.0) is None  # the window emptied: idle gate, no prediction
+
+
+def make_gate(clock: FakeClock, capacity: int) -> tuple[Gate, RecordingObserver]:
+    config = load_scheduling(
+        {
+            "classes": {
+                "rt": {"rank": 0, "slo_p99_ms": 100, "queue_timeout_s": None},
+                "off": {"rank": 1, "queue_timeout_s": None},
+            },
+            "default_class": "rt",
+        }
+    )
+    observer = RecordingObserver()
+    lateness = LatenessPredictor(window_s=1.0, min_dispatches=10)
+    return Gate(config, lambda: capacity, clock, observer, lateness=lateness), observer
+
+
+async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_never() -> None:
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1)
+    assert gate.lateness is not None
+    # Ten dispatches in the last second: the gate serves about 10 requests per second.
+    for i in range(10):
+        gate.lateness.on_dispatch(i * 0.1)
+    gate.lateness.observe_inside("rt", 0.02)
+    clock.t = 0.95
+    hold = asyncio.Event()
+
+    async def occupy(cls: str) -> None:
+        async with gate.admit(cls):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(occupy("rt"))]  # takes the only slot
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(occupy("rt")))  # queued, nothing ahead: 0.02 s predicted
+    await asyncio.sleep(0)
+    with pytest.raises(Shed) as info:  # one queued ahead: 1/10 s + 0.02 s > 100 ms
+        async with gate.admit("rt"):
+            pass
+    assert info.value.reason is ShedReason.LATE
+    # The throughput class waits, however long the queue.
+    tasks.append(asyncio.create_task(occupy("off")))
+    await asyncio.sleep(0)
+    assert gate.queued("off") == 1
+    hold.set()
+    gate.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert ("rt", ShedReason.LATE) in observer.sheds
+
+
+async def test_a_request_that_already_waited_past_its_slo_is_not_dispatched() -> None:
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1)
+    assert gate.lateness is not None
+    gate.lateness.observe_inside("rt", 0.03)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(gate.admit("rt").__aenter__())
+    await asyncio.sleep(0)
+    clock.advance(0.08)  # 80 ms waited + 30 ms inside > 100 ms
+    release.set()
+    await holder
+    with pytest.raises(Shed) as info:
+        await waiter
+    assert info.value.reason is ShedReason.LATE
+    assert gate.in_flight() == 0  # its slot went back
+    gate.close()
+
+
+def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
+    p = LatenessPredictor(window_s=1.0, min_dispatches=1)
+    p.on_dispatch(0.0)
+    p.observe_inside("rt", 0.5)  # every answer takes 500 ms: an SLO of 100 ms is unreachable
+    assert not p.shed_at_arrival(100, "rt", 0.1, 0.5)
+    assert not p.late(10.0, "rt", 0.1)
+    p.observe_inside("fast", 0.01)
+    assert p.late(0.2, "fast", 0.1)
