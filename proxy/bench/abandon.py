@@ -4,8 +4,9 @@
 (an emulated device: each batch *sleeps* ``base_ms + per_token_us x rows x longest``), then, for
 each arm (``limits.cancel_upstream`` off / on) and each load (1x and 2x the fleet's capacity),
 runs a proxy in a child process and sends it an open-loop Poisson schedule of equal-size requests
-in two classes. Each client gives up at its class's SLO after its scheduled send time (and says
-so with ``Triton-Timeout-Ms``). Reported per run:
+in two classes, over HTTP or gRPC. Each client gives up at its class's SLO after its scheduled
+send time, and says so: ``Triton-Timeout-Ms`` over HTTP, the call's deadline over gRPC. Reported
+per run:
 
 - **abandoned share**: of the requests Triton executed (its statistics' success count), those
   whose client had given up before the answer came (executed minus answered in time). With
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -34,9 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
 
 from proxy.bench.arms import proxy_subprocess
 from proxy.bench.fleet import bench_repository
+from proxy.local.fleet import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "accel_sim"
@@ -60,6 +66,7 @@ CLASSES = (
 @dataclass
 class RunResult:
     arm: str
+    protocol: str
     load: float
     rate_rps: float
     duration_s: float
@@ -105,8 +112,16 @@ def infer_body(tokens: int) -> bytes:
     return json.dumps(doc).encode()
 
 
+def grpc_request(tokens: int) -> bytes:
+    request = pb.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="INPUT_IDS", datatype="INT64", shape=[1, tokens])
+    request.raw_input_contents.append(np.ones((1, tokens), dtype=np.int64).tobytes())
+    data: bytes = request.SerializeToString()
+    return data
+
+
 def policy(
-    servers: Sequence[Any], cancel_upstream: bool, concurrency: int | None
+    servers: Sequence[Any], cancel_upstream: bool, concurrency: int | None, grpc_port: int
 ) -> dict[str, Any]:
     classes: dict[str, Any] = {}
     keys: dict[str, Any] = {}
@@ -126,9 +141,15 @@ def policy(
         scheduling["concurrency"] = concurrency
     return {
         "instances": [
-            {"name": s.name, "http": s.http_url, "metrics": s.metrics_url} for s in servers
+            {"name": s.name, "http": s.http_url, "grpc": s.grpc_address, "metrics": s.metrics_url}
+            for s in servers
         ],
-        "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
+        "listen": {
+            "host": "127.0.0.1",
+            "http_port": 0,
+            "grpc_port": grpc_port,
+            "metrics_port": 0,
+        },
         "limits": {"cancel_upstream": cancel_upstream},
         "scheduling": scheduling,
     }
@@ -189,11 +210,33 @@ async def one_request(
     return "shed" if status == 429 else f"http_{status}"
 
 
+async def one_grpc_request(
+    infer: Any, data: bytes, klass: ClassSpec, due: float, start: float
+) -> str:
+    give_up_at = start + due + klass.slo_ms / 1000
+    await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+    left_s = give_up_at - time.monotonic()
+    if left_s <= 0:
+        return "gave_up"
+    metadata = (("authorization", f"Bearer bench-{klass.name}"),)
+    try:
+        await infer(data, metadata=metadata, timeout=left_s)
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "gave_up"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "shed"
+        return f"grpc_{code.name.lower()}"
+    return "in_time"
+
+
 async def run_arm(
     servers: Sequence[Any],
     workdir: Path,
     *,
     arm: str,
+    protocol: str,
     load: float,
     rate: float,
     duration_s: float,
@@ -201,21 +244,29 @@ async def run_arm(
     seed: int,
     concurrency: int | None,
 ) -> RunResult:
-    doc = policy(servers, arm == "cancel_on", concurrency)
-    result = RunResult(arm, load, rate, duration_s)
+    (grpc_port,) = free_ports(1)
+    doc = policy(servers, arm == "cancel_on", concurrency, grpc_port)
+    result = RunResult(arm, protocol, load, rate, duration_s)
     arrivals = schedule(rate, duration_s, seed)
     body = infer_body(tokens)
+    message = grpc_request(tokens)
     connector = aiohttp.TCPConnector(limit=0)
     async with (
-        proxy_subprocess(doc, workdir, f"{arm}-{load:g}x") as proxy,
+        proxy_subprocess(doc, workdir, f"{arm}-{protocol}-{load:g}x") as proxy,
         aiohttp.ClientSession(connector=connector) as session,
+        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
     ):
         assert proxy.pid is not None
         before = await triton_totals(session, servers)
         start = time.monotonic() + 0.5
         url = proxy.http_url + f"/v2/models/{MODEL}/infer"
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         tasks = [
-            asyncio.ensure_future(one_request(session, url, body, klass, due, start))
+            asyncio.ensure_future(
+                one_request(session, url, body, klass, due, start)
+                if protocol == "http"
+                else one_grpc_request(infer, message, klass, due, start)
+            )
             for due, klass in arrivals
         ]
         outcomes = await asyncio.gather(*tasks)
@@ -251,21 +302,24 @@ async def run_arm(
 def render(results: Sequence[RunResult], capacity: float) -> str:
     lines = [
         f"capacity (full batches back to back): {capacity:.1f} req/s",
-        "arm        load  rate  sent  Triton ran  abandoned  Triton dropped  "
+        "arm        proto load  rate  sent  Triton ran  abandoned  Triton dropped  "
         + "  ".join(f"goodput {c.name}" for c in CLASSES)
         + "  proxy peak RSS",
     ]
     for r in results:
         good = "  ".join(f"{r.goodput_rps[c.name]:>{9 + len(c.name)}.1f}" for c in CLASSES)
         lines.append(
-            f"{r.arm:<10} {r.load:>3g}x {r.rate_rps:>5.0f} {sum(r.sent.values()):>5} "
+            f"{r.arm:<10} {r.protocol:<5} {r.load:>3g}x {r.rate_rps:>5.0f} "
+            f"{sum(r.sent.values()):>5} "
             f"{r.triton_executed:>11} {r.abandoned_share:>9.1%} {r.triton_failed:>15}  {good}"
             f"  {r.proxy_peak_rss_mib:>10.0f} MiB"
         )
-    by = {(r.arm, r.load): r for r in results}
-    for arm in ("cancel_off", "cancel_on"):
-        one, two = by.get((arm, 1.0)), by.get((arm, 2.0))
-        if one and two:
+    runs: dict[tuple[str, str, float], list[RunResult]] = {}
+    for r in results:
+        runs.setdefault((r.arm, r.protocol, r.load), []).append(r)
+    for arm, protocol in sorted({(r.arm, r.protocol) for r in results}):
+        ones, twos = runs.get((arm, protocol, 1.0)), runs.get((arm, protocol, 2.0))
+        for one, two in zip(ones or [], twos or [], strict=False):
             ratios = [
                 f"{c.name} {two.goodput_rps[c.name] / one.goodput_rps[c.name]:.0%}"
                 if one.goodput_rps[c.name]
@@ -273,7 +327,7 @@ def render(results: Sequence[RunResult], capacity: float) -> str:
                 for c in CLASSES
             ]
             total = sum(two.goodput_rps.values()) / max(1e-9, sum(one.goodput_rps.values()))
-            lines.append(f"{arm}: goodput 2x / 1x: {', '.join(ratios)}, all {total:.0%}")
+            lines.append(f"{arm} {protocol}: goodput 2x / 1x: {', '.join(ratios)}, all {total:.0%}")
     return "\n".join(lines)
 
 
@@ -288,25 +342,27 @@ async def main_async(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     with sigterm_raises_exit(), LocalFleet(args.instances, repo, [MODEL], out / "logs") as fleet:
         servers = fleet.servers
-        for rep in range(args.repetitions):
-            for load in args.loads:
-                arms = ["cancel_off", "cancel_on"]
-                if rep % 2:
-                    arms.reverse()
-                for arm in arms:
-                    r = await run_arm(
-                        servers,
-                        out / "proxies",
-                        arm=arm,
-                        load=load,
-                        rate=load * capacity,
-                        duration_s=args.duration,
-                        tokens=args.tokens,
-                        seed=args.seed + rep,
-                        concurrency=args.concurrency,
-                    )
-                    results.append(r)
-                    print(render([r], capacity).splitlines()[-1], flush=True)
+        for rep, protocol, load in itertools.product(
+            range(args.repetitions), args.protocols, args.loads
+        ):
+            arms = ["cancel_off", "cancel_on"]
+            if rep % 2:
+                arms.reverse()
+            for arm in arms:
+                r = await run_arm(
+                    servers,
+                    out / "proxies",
+                    arm=arm,
+                    protocol=protocol,
+                    load=load,
+                    rate=load * capacity,
+                    duration_s=args.duration,
+                    tokens=args.tokens,
+                    seed=args.seed + rep,
+                    concurrency=args.concurrency,
+                )
+                results.append(r)
+                print(render([r], capacity).splitlines()[-1], flush=True)
     text = render(results, capacity)
     print(text)
     (out / "report.txt").write_text(text + "\n")
@@ -329,6 +385,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--loads", type=float, nargs="+", default=[1.0, 2.0])
     p.add_argument("--repetitions", type=int, default=1)
+    p.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--concurrency", type=int, default=None, help="per-instance slots (default: derived)"
