@@ -382,7 +382,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-ms", type=float, default=40.0)
     p.add_argument("--per-token-us", type=float, default=100.0)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--loads", type=float, nargs="+", default=[1.0, 2.0])
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
