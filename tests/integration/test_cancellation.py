@@ -277,22 +277,26 @@ async def test_triton_drops_a_request_whose_handed_timeout_passed_in_its_queue(
     server: TritonServer,
 ) -> None:
     """HTTP, where Triton cannot see the client leave: the proxy answers at the deadline, and
-    Triton drops the request from its own queue with the timeout the proxy handed on."""
+    Triton drops the request from its own queue with the timeout the proxy handed on.
+
+    Triton's batcher keeps filling the next batch while the instance is busy, and a request
+    taken into it runs whatever its timeout; so the next batch is filled first (8 rows, the
+    model's max_batch_size) and the request with a deadline waits behind it in the queue."""
     before = await asyncio.to_thread(read_counters, server)
     stats_before = await asyncio.to_thread(stats, server)
     with running_proxy([server]) as p:
         async with aiohttp.ClientSession() as session:
             holder = asyncio.ensure_future(post(session, p, body(HOLD_MS)))
             await running_in_triton(p)
-            # Taken at once from Triton's queue into the next batch: it will run.
-            filler = asyncio.ensure_future(post(session, p, body(10)))
-            await running_in_triton(p, 2)
+            fillers = [asyncio.ensure_future(post(session, p, body(10))) for _ in range(8)]
+            await running_in_triton(p, 9)
             status, text = await post(session, p, body(10), {"Triton-Timeout-Ms": "300"})
             assert status == 429, text
-            assert [(await holder)[0], (await filler)[0]] == [200, 200]
+            answers = await asyncio.gather(holder, *fillers)
+            assert [a[0] for a in answers] == [200] * 9
         after = await asyncio.to_thread(read_counters, server)
         stats_after = await asyncio.to_thread(stats, server)
-    assert ran(before, after) == 2  # holder and filler, not the abandoned one
+    assert ran(before, after) == 9  # holder and fillers, not the abandoned one
     assert stats_after["fail"]["count"] == stats_before["fail"]["count"] + 1
 
 
