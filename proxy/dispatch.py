@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
@@ -58,13 +59,16 @@ class ModelAbsentError(Exception):
         self.answer = answer
 
 
-MODEL_ABSENT_MARKERS = ("Request for unknown model", "is not ready", "Model version not ready")
-"""Triton's words for "not this model here" (2.51: 404 / NOT_FOUND "Request for unknown model:
-'m' has no available versions" after an unload)."""
+_MODEL_ABSENT = re.compile(
+    r"Request for unknown model: '[^']*' (?:has no available versions|is not found|is not ready)"
+)
+"""Triton's words for "this model is not here" (2.51: 404 / NOT_FOUND "Request for unknown
+model: 'm' has no available versions" after an unload). "... 'm' version 7 is not found" is
+about a version the client asked for, not about the model, and does not match."""
 
 
 def says_model_absent(message: str) -> bool:
-    return any(marker in message for marker in MODEL_ABSENT_MARKERS)
+    return _MODEL_ABSENT.search(message) is not None
 
 
 class Placement(Protocol):
@@ -365,12 +369,18 @@ class Dispatcher:
                     f"'{call.model}' within {limit} (limits.request_timeout_s)",
                 ) from exc
             except ModelAbsentError as exc:
-                if self._continues_sequence(call) or await self.catalog.info(call.model) is None:
-                    return instance, _answer(cast(T, exc.answer))  # Triton's answer stands
-                self.fleet.exclude_model(instance, call.model, str(exc))
                 tried.add(instance.name)
                 others = [i for i in self.fleet.serving(call.model) if i.name not in tried]
-                if not others or len(tried) > self.max_retries or not self.retries.try_retry():
+                if (
+                    not others
+                    or self._continues_sequence(call)
+                    or await self.catalog.info(call.model) is None
+                ):
+                    # Nowhere else to go (or the model is unknown everywhere): Triton's
+                    # answer stands, and the last instance serving a model keeps it.
+                    return instance, _answer(cast(T, exc.answer))
+                self.fleet.exclude_model(instance, call.model, str(exc))
+                if len(tried) > self.max_retries or not self.retries.try_retry():
                     return instance, _answer(cast(T, exc.answer))
                 self.telemetry.retries.inc()
                 continue

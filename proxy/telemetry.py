@@ -162,9 +162,15 @@ class _FleetCollector(Collector):
             in_flight.add_metric([inst.name], inst.in_flight)
             for model, n in inst.model_in_flight.items():
                 model_in_flight.add_metric([inst.name, model], n)
+        buffered = GaugeMetricFamily(
+            "triton_proxy_buffered_bytes",
+            "Request bodies held by the proxy (queued and in flight), of limits.max_buffered_bytes",
+        )
+        buffered.add_metric([], rt.budget.in_use)
         yield healthy
         yield in_flight
         yield model_in_flight
+        yield buffered
         yield from _scraped(rt)
         yield from _feedback(rt)
         yield from _classes(rt)

@@ -25,7 +25,7 @@ from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
 from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import InstanceFailure, to_every_instance
-from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.frontends.common import (
     SharedMemoryAction,
     SharedMemoryKind,
@@ -371,7 +371,12 @@ class GrpcFrontend:
                     return await self._unary(rt, instance, method, request, forward, context)
                 except grpc.aio.AioRpcError as exc:
                     raise InstanceFailure(exc.code(), exc.details() or "") from exc
-                except (UpstreamConnectError, UpstreamLostError, ProxyError) as exc:
+                except (
+                    UpstreamConnectError,
+                    UpstreamLostError,
+                    UpstreamTimeoutError,
+                    ProxyError,
+                ) as exc:
                     raise InstanceFailure(
                         grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
                     ) from exc
@@ -435,20 +440,24 @@ class _StreamSlots:
         as Triton answers a failed request of a stream."""
         model, _ = read_infer(request)
         stack = contextlib.AsyncExitStack()
+        entry: tuple[contextlib.AsyncExitStack, bool] | None = None
         try:
             with self.rt.budget.hold(len(request)):
                 priority = await stack.enter_async_context(
                     self.rt.dispatcher.admitted(model, self.klass)
                 )
                 info = self.rt.catalog.cached(model)
-                self.pending.append((stack, info is not None and info.decoupled))
+                # Queued before the write: its answer may come before the write returns.
+                entry = (stack, info is not None and info.decoupled)
+                self.pending.append(entry)
                 await self.upstream.write(_with_forward(request, Forward(priority)))
-        except ProxyError as exc:
+        except BaseException as exc:
+            if entry is not None and entry in self.pending:
+                self.pending.remove(entry)
             await stack.aclose()
+            if not isinstance(exc, ProxyError):
+                raise
             await self._reply(_stream_error(request, model, exc.message))
-        except BaseException:
-            await stack.aclose()
-            raise
 
     async def answered(self, response: bytes) -> None:
         if self.pending:

@@ -266,8 +266,10 @@ class HttpFrontend:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise http_failure(exc, before_response=False) from exc
             answer = web.Response(status=upstream.status, body=data, headers=out_headers)
-            if dispatched and upstream.status in (400, 404) and says_model_absent(str(data)):
-                raise ModelAbsentError(data.decode(errors="replace"), answer)
+            if dispatched and upstream.status in (400, 404):
+                text = data.decode(errors="replace")
+                if says_model_absent(text):
+                    raise ModelAbsentError(text, answer)
             return answer
         response = web.StreamResponse(status=upstream.status, headers=out_headers)
         await response.prepare(request)

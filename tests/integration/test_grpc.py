@@ -341,9 +341,16 @@ def test_errors_are_identical(proxy: ProxyThread, direct: str, case: str) -> Non
     assert answers[1][0] != "StatusCode.OK"
 
 
-def test_malformed_message_gets_tritons_own_error(proxy: ProxyThread, direct: str) -> None:
+def test_malformed_message_is_refused_with_a_clear_error(proxy: ProxyThread, direct: str) -> None:
+    """Triton answers INTERNAL; the proxy refuses a message it cannot read before it reaches
+    Triton (a message read one way by the proxy and another by Triton could carry a priority
+    the class does not grant), with INVALID_ARGUMENT, never a 5xx-like status of its own."""
     garbage = b"\x0a\x05sim"
-    assert unary(proxy.grpc, "ModelInfer", garbage) == unary(direct, "ModelInfer", garbage)
+    direct_code, _ = unary(direct, "ModelInfer", garbage)
+    assert direct_code == grpc.StatusCode.INTERNAL
+    code, details = unary(proxy.grpc, "ModelInfer", garbage)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not parse the ModelInferRequest" in details
 
 
 async def _until(condition: Any, timeout_s: float = 10.0) -> None:
@@ -403,15 +410,17 @@ class FakeTriton:
 
     def infer(self, request: bytes, context: Any) -> bytes:
         self.seen.put(Seen(request, list(context.invocation_metadata()), context.time_remaining()))
-        model = pb.ModelInferRequest.FromString(request).model_name
-        if model == "hold":
+        # Behaviour by request id: the model must be one the fleet knows (the proxy answers
+        # 404 itself for any other), here always "simple".
+        parsed = pb.ModelInferRequest.FromString(request)
+        if parsed.id == "hold":
             while context.is_active():
                 time.sleep(0.01)
             self.cancelled.set()
             return b""
-        if model == "busy":
+        if parsed.id == "busy":
             context.abort(grpc.StatusCode.UNAVAILABLE, "Exceeds maximum queue size")
-        return pb.ModelInferResponse(model_name=model, id="fake").SerializeToString()
+        return pb.ModelInferResponse(model_name=parsed.model_name, id="fake").SerializeToString()
 
 
 @pytest.fixture
@@ -450,7 +459,7 @@ def test_tritons_own_unavailable_is_relayed_not_retried(
     fake: tuple[FakeTriton, ProxyThread],
 ) -> None:
     triton, p = fake
-    data = pb.ModelInferRequest(model_name="busy").SerializeToString()
+    data = pb.ModelInferRequest(model_name="simple", id="busy").SerializeToString()
     code, details = unary(p.grpc, "ModelInfer", data)
     assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "Exceeds maximum queue size")
     assert triton.seen.qsize() == 1
@@ -463,7 +472,7 @@ async def test_client_cancel_cancels_the_upstream_call(
     triton, p = fake
     async with grpc.aio.insecure_channel(p.grpc) as channel:
         call = channel.unary_unary(method_path("ModelInfer"))(
-            pb.ModelInferRequest(model_name="hold").SerializeToString()
+            pb.ModelInferRequest(model_name="simple", id="hold").SerializeToString()
         )
         await asyncio.to_thread(triton.seen.get, timeout=10)
         call.cancel()

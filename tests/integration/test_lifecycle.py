@@ -119,13 +119,17 @@ def test_reload_loop_under_traffic_fails_nothing(triton_fleet: Any, tmp_path: Pa
             )
             if n % 3 == 0:
                 variant["scheduling"] = {"default_class": "online"}
-            path.write_text(yaml.safe_dump(variant))
+            # As editors and config managers do: a whole new file, never a half-written one.
+            staged = tmp_path / "policy.yaml.new"
+            staged.write_text(yaml.safe_dump(variant))
+            staged.replace(path)
             wait_for(lambda n=n: telemetry.reloads.labels("ok")._value.get() == n)  # type: ignore[misc]
             before = sum(outcomes.values())
             wait_for(lambda before=before: sum(outcomes.values()) >= before + 10)  # type: ignore[misc]
         assert telemetry.reloads.labels("error")._value.get() == 0
     assert errors == []
     assert min(outcomes[k] for k in ("http", "grpc", "stream")) > 0, outcomes
+    print(f"requests served during 12 reloads: {dict(outcomes)}")
     # Pools of the removed instance were retired, and closed once their requests ended.
     rt = proxy.runtime
     assert rt.upstreams.retiring() == 0 and rt.grpc_upstreams.retiring() == 0
@@ -237,3 +241,67 @@ def _ready(c: httpclient.InferenceServerClient) -> bool:
         return bool(c.is_server_ready())
     except (ConnectionRefusedError, InferenceServerException):
         return False
+
+
+def test_kill_one_then_sequential_requests_fail_none(triton_fleet: Any) -> None:
+    """Pooled keep-alive connections to a server that just died never fail a request."""
+    victim = 1
+    doc = {"routing": {"policy": {"name": "round_robin"}}, "health": {"interval_s": 5.0}}
+    name = triton_fleet.server(victim).name
+    try:
+        with running_proxy(triton_fleet.servers, doc) as proxy:
+            with httpclient.InferenceServerClient(proxy.http, concurrency=4) as h:
+                # Open pooled connections to every instance first.
+                pending = [h.async_infer("simple", simple_inputs(httpclient)) for _ in range(24)]
+                for p in pending:
+                    p.get_result()
+                triton_fleet.kill(victim)
+                # The probe interval is long: the requests find the death themselves.
+                for _ in range(200):
+                    h.infer("simple", simple_inputs(httpclient))
+            with grpcclient.InferenceServerClient(proxy.grpc) as g:
+                for _ in range(100):
+                    g.infer("simple", simple_inputs(grpcclient), client_timeout=30)
+            assert not proxy.runtime.fleet.get(name).healthy
+    finally:
+        triton_fleet.restart(victim)
+
+
+def test_model_unloaded_on_one_instance_leaves_only_that_model(triton_fleet: Any) -> None:
+    server = triton_fleet.server(0)
+    doc = {
+        "routing": {"policy": {"name": "round_robin"}},
+        "health": {"backoff_initial_s": 0.2, "backoff_max_s": 0.5},
+    }
+    with (
+        running_proxy(triton_fleet.servers, doc) as proxy,
+        httpclient.InferenceServerClient(proxy.http) as h,
+        httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as direct,
+    ):
+        h.infer("simple", simple_inputs(httpclient))  # the proxy knows the model
+        inst = proxy.runtime.fleet.get(server.name)
+        direct.unload_model("simple")
+        try:
+            for _ in range(30):
+                h.infer("simple", simple_inputs(httpclient))
+            assert inst.healthy and "simple" in inst.models_out
+            with grpcclient.InferenceServerClient(proxy.grpc) as g:
+                for _ in range(30):
+                    g.infer("simple", simple_inputs(grpcclient), client_timeout=30)
+            # Its other models are still served there.
+            before = inst_decisions(proxy, "accel_sim", server.name)
+            for _ in range(6):
+                h.infer("accel_sim", ids(8))
+            assert inst_decisions(proxy, "accel_sim", server.name) > before
+        finally:
+            direct.load_model("simple")
+        wait_for(lambda: "simple" not in inst.models_out, 60)
+        before = inst_decisions(proxy, "simple", server.name)
+        for _ in range(6):
+            h.infer("simple", simple_inputs(httpclient))
+        assert inst_decisions(proxy, "simple", server.name) > before
+
+
+def inst_decisions(proxy: Any, model: str, instance: str) -> int:
+    decisions = proxy.runtime.router.stats.decisions
+    return sum(n for (m, _, inst), n in decisions.items() if m == model and inst == instance)

@@ -127,9 +127,7 @@ def test_compressed_bodies_are_decoded_and_get_the_class_priority(
     ids = np.arange(8, dtype=np.int64).reshape(1, 8)
     inp = httpclient.InferInput("INPUT_IDS", [1, 8], "INT64")
     inp.set_data_from_numpy(ids, binary_data=binary)
-    body, header_length = httpclient.InferenceServerClient.generate_request_body(
-        [inp], parameters={"priority": 1}
-    )
+    body, header_length = httpclient.InferenceServerClient.generate_request_body([inp], priority=1)
     headers = "Authorization: Bearer off-key\r\nContent-Encoding: gzip\r\n"
     if header_length is not None:
         headers += f"Inference-Header-Content-Length: {header_length}\r\n"

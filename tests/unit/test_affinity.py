@@ -37,3 +37,24 @@ def test_lookup_refreshes_and_forget_instance() -> None:
     assert a.lookup("m", 2) is None
     a.forget_instance("i0")
     assert a.lookup("m", 1) is None
+
+
+def test_orphaned_sequences_say_why_until_restarted_ended_or_idle() -> None:
+    clock = FakeClock()
+    a = SequenceAffinity(clock, max_entries=3, idle_timeout_s=10)
+    for seq in (1, 2, 3):
+        a.bind("m", seq, "i0")
+    a.bind("m", 4, "i1")  # 1 is evicted: the table holds 3
+    a.forget_instance("i0", "was removed by a policy reload")
+    assert a.lookup("m", 3) is None and a.orphaned("m", 3) == "was removed by a policy reload"
+    assert a.orphaned("m", 4) is None and a.lookup("m", 4) == "i1"
+    a.bind("m", 3, "i1")  # started again elsewhere
+    assert a.orphaned("m", 3) is None
+    assert a.orphaned("m", 1) is None  # evicted before, so not known at all
+    assert a.orphaned("m", 2) is not None
+    a.end("m", 2)
+    assert a.orphaned("m", 2) is None
+    a.bind("m", 5, "i0")
+    a.forget_instance("i0", "was ejected (x)")
+    clock.advance(11)
+    assert a.orphaned("m", 5) is None  # idle past the timeout: forgotten

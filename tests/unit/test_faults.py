@@ -7,16 +7,21 @@ The fakes (``faketriton``) are small aiohttp servers: they make a server fail in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from proxy.app import ProxyServer
 from proxy.config import ProxyConfig, parse
+from proxy.dispatch import says_model_absent
 from proxy.fleet.upstream import (
     UpstreamConnectError,
     UpstreamLostError,
@@ -140,11 +145,15 @@ async def test_model_missing_on_one_instance_leaves_only_that_model() -> None:
 
 async def test_model_missing_everywhere_gets_tritons_answer() -> None:
     async with fakes(2) as (f0, f1), proxy_for(policy([f0, f1])) as proxy:
-        assert (await infer(proxy))[0] == 200  # the catalog knows "m" now
+        assert (await infer(proxy))[0] == 200
+        assert await proxy.runtime.catalog.info("m") is not None  # known, as if just unloaded
         f0.models.clear()
         f1.models.clear()
-        status, body, _ = await infer(proxy)
-        assert status == 404 and "unknown model" in body["error"]
+        for _ in range(3):
+            status, body, _ = await infer(proxy)
+            assert status == 404 and "unknown model" in body["error"]
+        # The last instance serving a model keeps it: no self-made outage.
+        assert len(proxy.runtime.fleet.serving("m")) == 1
 
 
 async def test_byte_budget_refuses_with_429_and_releases_once() -> None:
@@ -155,6 +164,12 @@ async def test_byte_budget_refuses_with_429_and_releases_once() -> None:
             budget = proxy.runtime.budget
             first = [asyncio.create_task(infer(proxy, body=infer_body(900))) for _ in range(2)]
             await wait_for(lambda: budget.in_use > 1800)
+            gauge = [
+                float(line.split()[1])
+                for line in proxy.telemetry.exposition().decode().splitlines()
+                if line.startswith("triton_proxy_buffered_bytes ")
+            ]
+            assert gauge == [budget.in_use]
             status, body, headers = await infer(proxy, body=infer_body(900))
             assert status == 429 and "max_buffered_bytes" in body["error"]
             assert headers["Retry-After"] == "1"
@@ -255,3 +270,72 @@ async def test_policy_watch_survives_an_unexpected_error(tmp_path: Path) -> None
             proxy.request_reload()
             await wait_for(lambda: reloads.labels("ok")._value.get() == 1)
             assert proxy.runtime.router.policy("m")[0] == "random"
+
+
+@pytest.mark.parametrize(
+    ("message", "absent"),
+    [
+        ("Request for unknown model: 'simple' has no available versions", True),
+        ("Request for unknown model: 'simple' is not found", True),
+        ("Request for unknown model: 'simple' version 7 is not found", False),
+        ("unexpected shape for input 'INPUT0' for model 'simple'", False),
+    ],
+)
+def test_only_a_missing_model_takes_it_out_of_rotation(message: str, absent: bool) -> None:
+    assert says_model_absent(message) is absent
+
+
+async def test_connect_timeout_is_retried_elsewhere_without_ejecting() -> None:
+    # A listener that never accepts, its queue already full: connecting to it hangs.
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(black_hole.getsockname())
+        fillers.append(s)
+    try:
+        async with fakes(1) as (f0,):
+            doc = policy([f0])
+            doc["instances"].insert(
+                0, {"name": "hole", "http": "http://{}:{}".format(*black_hole.getsockname())}
+            )
+            doc["limits"] = {"connect_timeout_s": 0.2}
+            doc["health"] = {"timeout_s": 0.2, "interval_s": 60, "eject_after_failures": 3}
+            async with proxy_for(doc) as proxy:
+                hole = proxy.runtime.fleet.get("hole")
+                hole.next_probe_at = float("inf")  # only requests meet it from now on
+                await asyncio.sleep(0.3)  # a probe already under way times out
+                hole.healthy, hole.failures = True, 0  # whatever the probes found
+                answers = [await infer(proxy) for _ in range(2)]  # round robin: one to the hole
+                assert [(a[0], a[1]["served_by"]) for a in answers] == [(200, "f0")] * 2
+                # Never reached, so retried; and a connect timeout alone does not eject.
+                assert hole.healthy and hole.failures >= 1
+                assert proxy.runtime.telemetry.retries._value.get() == hole.failures
+    finally:
+        for s in fillers:
+            s.close()
+        black_hole.close()
+
+
+async def test_grpc_request_over_the_byte_budget_is_resource_exhausted() -> None:
+    async with fakes(1) as (f0,):
+        doc = policy([f0])
+        doc["instances"][0]["grpc"] = "127.0.0.1:1"  # never reached: refused before dispatch
+        async with proxy_for(doc) as proxy:
+            assert proxy.ports is not None and proxy.ports.grpc is not None
+            budget = proxy.runtime.budget
+            budget.in_use = budget.limit - 10  # as if other requests held the rest
+            request = pb.ModelInferRequest(model_name="m", id="x" * 64).SerializeToString()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.ports.grpc}") as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_buffered_bytes" in (info.value.details() or "")
+            trailing = dict(info.value.trailing_metadata() or ())
+            assert trailing.get("retry-after") == "1"
+            assert budget.in_use == budget.limit - 10  # the refused request holds nothing
