@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import grpc
 from aiohttp import web
 
@@ -20,7 +23,8 @@ from proxy.frontends.http import HttpFrontend
 from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
 from proxy.strict import ConfigError
-from proxy.telemetry import Telemetry
+from proxy.telemetry import Telemetry, merge_workers
+from proxy.workers import WorkerRole, with_ports
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,11 @@ class ProxyServer:
         is_leader: Callable[[], bool] = lambda: True,
         watch_interval_s: float = 1.0,
         policy_loader: Callable[[Path], ProxyConfig] = load_file,
+        role: WorkerRole | None = None,
     ) -> None:
         self.config = config
+        self.role = role
+        """One of several worker processes on the same ports (``serve --workers``), or None."""
         self.policy_path = policy_path
         self.clock = clock or MonotonicClock()
         self.rng = rng or random.Random()
@@ -69,6 +76,7 @@ class ProxyServer:
             self.telemetry,
             gate_observer=gate_observer,
             is_leader=is_leader,
+            role=role,
         )
         self.telemetry.watch(self.current)
         self._http_runner: web.AppRunner | None = None
@@ -91,6 +99,8 @@ class ProxyServer:
             return False
         try:
             config = self.policy_loader(self.policy_path)
+            if self.role is not None:
+                config = self._ports_chosen_for_workers(config)
             restart_only = await self.runtime.apply(config)
         except (ConfigError, ValueError) as exc:
             self.telemetry.reloads.labels("error").inc()
@@ -107,6 +117,13 @@ class ProxyServer:
         if restart_only:
             log.warning("changed sections that need a restart: %s", ", ".join(restart_only))
         return True
+
+    def _ports_chosen_for_workers(self, config: ProxyConfig) -> ProxyConfig:
+        """A port the file leaves at 0 is the one the supervisor picked for every worker."""
+        listen, running = config.listen, self.config.listen
+        http = running.http_port if listen.http_port == 0 else listen.http_port
+        grpc_port = running.grpc_port if listen.grpc_port == 0 else listen.grpc_port
+        return with_ports(config, http, grpc_port)
 
     async def _watch_policy(self) -> None:
         """Reload on SIGHUP or when the policy file changes on disk."""
@@ -139,12 +156,22 @@ class ProxyServer:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await self._http_runner.setup()
-        site = web.TCPSite(self._http_runner, listen.host, listen.http_port, reuse_address=True)
+        site = web.TCPSite(
+            self._http_runner,
+            listen.host,
+            listen.http_port,
+            reuse_address=True,
+            reuse_port=self.role is not None,
+        )
         await site.start()
         http_port = self._http_runner.addresses[0][1]
         self._metrics_runner, metrics_port = await self._start_metrics()
         grpc_port = await self._start_grpc() if serves_grpc else None
         self.ports = BoundPorts(http=http_port, grpc=grpc_port, metrics=metrics_port)
+        if self.role is not None:
+            # Tells the supervisor this worker serves, and the leader where to read its metrics.
+            info = {"pid": os.getpid(), "metrics_port": metrics_port}
+            self.role.ready_file().write_text(json.dumps(info))
         if self.policy_path is not None:
             self._watch_task = asyncio.create_task(self._watch_policy(), name="policy-watch")
         return self.ports
@@ -163,7 +190,9 @@ class ProxyServer:
 
     async def _start_grpc(self) -> int:
         listen = self.config.listen
-        server = GrpcFrontend(self.current).server(self.config.limits.max_body_bytes)
+        server = GrpcFrontend(self.current).server(
+            self.config.limits.max_body_bytes, reuse_port=self.role is not None
+        )
         host = f"[{listen.host}]" if ":" in listen.host else listen.host
         port: int = server.add_insecure_port(f"{host}:{listen.grpc_port}")
         await server.start()
@@ -172,6 +201,10 @@ class ProxyServer:
 
     async def _start_metrics(self) -> tuple[web.AppRunner, int]:
         async def metrics(request: web.Request) -> web.Response:
+            if self.role is not None and self.role.leader:
+                return web.Response(
+                    body=await self._all_workers_metrics(), content_type="text/plain"
+                )
             return web.Response(body=self.telemetry.exposition(), content_type="text/plain")
 
         app = web.Application()
@@ -179,8 +212,29 @@ class ProxyServer:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         listen = self.config.listen
-        await web.TCPSite(runner, listen.host, listen.metrics_port, reuse_address=True).start()
+        host, port = listen.host, listen.metrics_port
+        if self.role is not None and not self.role.leader:
+            # Only the leader serves the metrics port; it reads the others here.
+            host, port = "127.0.0.1", 0
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
         return runner, runner.addresses[0][1]
+
+    async def _all_workers_metrics(self) -> bytes:
+        """The leader's metrics and every follower's, each series labelled with its worker."""
+        assert self.role is not None
+        texts = [("0", self.telemetry.exposition().decode())]
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for index in range(1, self.role.count):
+                try:
+                    info = json.loads(self.role.ready_file(index).read_text())
+                    url = f"http://127.0.0.1:{int(info['metrics_port'])}/metrics"
+                    async with session.get(url) as resp:
+                        texts.append((str(index), await resp.text()))
+                except (OSError, ValueError, KeyError, aiohttp.ClientError, TimeoutError) as exc:
+                    # A worker being restarted has no metrics for a moment: say so, go on.
+                    log.warning("metrics of worker %d unavailable: %s", index, exc)
+        return merge_workers(texts)
 
     async def stop(self) -> None:
         """Shut down without losing what was accepted.

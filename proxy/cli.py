@@ -8,13 +8,14 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from proxy import config as config_mod
 from proxy.app import BoundPorts, ProxyServer
 from proxy.strict import ConfigError
+from proxy.workers import Supervisor, WorkerRole
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "model_repository"
@@ -29,7 +30,7 @@ DEFAULT_MODELS = (
 log = logging.getLogger("triton_proxy")
 
 
-async def _serve(server: ProxyServer, banner: str = "") -> None:
+async def _serve(server: ProxyServer, banner: str = "", *, quiet: bool = False) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -38,9 +39,11 @@ async def _serve(server: ProxyServer, banner: str = "") -> None:
         loop.add_signal_handler(signal.SIGHUP, server.request_reload)
     ports = await server.start()
     try:
-        print(_endpoints(ports) + banner, flush=True)
+        if not quiet:  # a worker: its supervisor prints one banner for all of them
+            print(_endpoints(ports) + banner, flush=True)
         await stop.wait()
-        print("triton-proxy: stopping (draining in-flight requests)...", flush=True)
+        if not quiet:
+            print("triton-proxy: stopping (draining in-flight requests)...", flush=True)
     finally:
         await server.stop()
 
@@ -63,10 +66,38 @@ def _run(coro: Any) -> None:
         asyncio.run(coro)
 
 
+def _serve_workers(
+    count: int,
+    config: config_mod.ProxyConfig,
+    make: Callable[[config_mod.ProxyConfig, WorkerRole | None], ProxyServer],
+    banner: str = "",
+) -> int:
+    """One proxy in this process, or ``count`` worker processes on the same ports."""
+    if count == 1:
+        _run(_serve(make(config, None), banner))
+        return 0
+
+    def worker(role: WorkerRole, cfg: config_mod.ProxyConfig) -> int:
+        _run(_serve(make(cfg, role), quiet=True))
+        return 0
+
+    def ready(ports: Mapping[str, int]) -> str:
+        bound = BoundPorts(
+            http=ports["http"],
+            grpc=ports["grpc"] if any(i.grpc for i in config.instances) else None,
+            metrics=ports.get("metrics") or None,
+        )
+        return _endpoints(bound) + f"\n  {count} worker processes (SO_REUSEPORT)" + banner
+
+    return Supervisor(count, config, worker).run(ready)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_mod.load_file(args.policy)
-    _run(_serve(ProxyServer(cfg, policy_path=Path(args.policy))))
-    return 0
+    path = Path(args.policy)
+    return _serve_workers(
+        args.workers, cfg, lambda c, role: ProxyServer(c, policy_path=path, role=role)
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -133,9 +164,22 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"\nPoint tritonclient at localhost:{args.http_port} (HTTP) or "
             f"localhost:{args.grpc_port} (gRPC). Ctrl-C stops everything."
         )
-        server = ProxyServer(load(policy_path), policy_path=policy_path, policy_loader=load)
-        _run(_serve(server, example))
-    return 0
+        return _serve_workers(
+            args.workers,
+            load(policy_path),
+            lambda c, role: ProxyServer(c, policy_path=policy_path, policy_loader=load, role=role),
+            example,
+        )
+
+
+WORKERS_HELP = "proxy processes sharing the ports (SO_REUSEPORT; default 1); see docs/scaling.md"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the proxy in front of the Triton servers a policy names")
     s.add_argument("--policy", required=True, help="policy YAML file (see policies/)")
+    s.add_argument("--workers", type=_positive, default=1, help=WORKERS_HELP)
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("check", help="validate a policy file and exit")
@@ -160,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--http-port", type=int, default=8000)
     u.add_argument("--grpc-port", type=int, default=8001)
     u.add_argument("--metrics-port", type=int, default=8002)
+    u.add_argument("--workers", type=_positive, default=1, help=WORKERS_HELP)
     u.set_defaults(func=cmd_up)
 
     try:

@@ -16,6 +16,7 @@ import yaml
 from proxy import strict
 from proxy.control.config import ControlConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
+from proxy.leadership import LeadershipConfig
 from proxy.routing.config import RoutingConfig, check_policies
 from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
@@ -124,6 +125,8 @@ class ProxyConfig:
     """Priority classes; without this section every request is dispatched at once."""
     control: ControlConfig = field(default_factory=ControlConfig)
     """The SLO feedback loops (class limits, batching window); all off by default."""
+    leadership: LeadershipConfig = field(default_factory=LeadershipConfig)
+    """Which replica may change the fleet's configuration (proxy.leadership)."""
 
     def __post_init__(self) -> None:
         if not self.instances:

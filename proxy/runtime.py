@@ -6,8 +6,10 @@ running one's fleet state where instances are unchanged, then swaps one referenc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.budget import ByteBudget
@@ -25,13 +27,25 @@ from proxy.fleet.model_control import ModelControl
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
 from proxy.frontends.common import private_headers
+from proxy.leadership import build_leadership
 from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.scheduling import Classifier, GateObserver, ShedReason
+from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.models import FanOutObserver, ModelGates
 from proxy.telemetry import RequestTelemetry, Telemetry
+from proxy.workers import (
+    STATE_FILE,
+    SharedSnapshots,
+    WorkerRole,
+    leader_state,
+    per_worker_scheduling,
+    write_state,
+)
+
+log = logging.getLogger(__name__)
 
 
 class _GateTelemetry(GateObserver):
@@ -39,7 +53,7 @@ class _GateTelemetry(GateObserver):
         self.t = telemetry
 
     def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
-        self.t.queue_wait.labels(class_name).observe(waited_s)
+        self.t.queue_wait_by.get(class_name).observe(waited_s)
 
     def on_shed(self, class_name: str, reason: ShedReason) -> None:
         self.t.shed.labels(class_name, reason.value).inc()
@@ -55,8 +69,12 @@ class Runtime:
         *,
         gate_observer: GateObserver | None = None,
         is_leader: Callable[[], bool] = lambda: True,
+        role: WorkerRole | None = None,
     ) -> None:
         self.config = config
+        self.role = role
+        """One of several worker processes (``serve --workers``), or None."""
+        self.workers = role.count if role is not None else 1
         self.private_headers = private_headers(config)
         """Names of headers the proxy consumes and never forwards (credentials, class)."""
         self.clock = clock
@@ -87,14 +105,25 @@ class Runtime:
         )
         self.catalog = ModelCatalog(self.fleet, self.upstreams, clock)
         scrape = config.scrape
-        self.scraper = Scraper(
-            clock,
-            {i.name: i.metrics for i in config.instances if i.metrics},
-            interval_s=scrape.interval_s,
-            window_s=scrape.window_s,
-            timeout_s=scrape.timeout_s,
+        self.scraper: Scraper | SharedSnapshots
+        if role is None or role.leader:
+            self.scraper = Scraper(
+                clock,
+                {i.name: i.metrics for i in config.instances if i.metrics},
+                interval_s=scrape.interval_s,
+                window_s=scrape.window_s,
+                timeout_s=scrape.timeout_s,
+            )
+        else:
+            # A follower worker reads the leader's snapshots and health verdicts.
+            self.scraper = SharedSnapshots(
+                role.state_dir / STATE_FILE, self.fleet, scrape.interval_s
+            )
+        self._publisher: asyncio.Task[None] | None = None
+        self.leadership = build_leadership(
+            config.leadership, clock, eligible=role is None or role.leader
         )
-        self.router = Router(config.routing, clock, rng)
+        self.router = Router(config.routing, clock, rng, observer=self._decided)
         self.placement = FleetPlacement(
             self.fleet, self.upstreams, self._choose, self.scraper.snapshot, self._slot_limit
         )
@@ -105,7 +134,13 @@ class Runtime:
         self.gates: ModelGates | None = None
         classifier = None
         if config.scheduling is not None:
-            self.gates = ModelGates(config.scheduling, self.fleet, clock, self._gate_observer)
+            self.gates = ModelGates(
+                self._scheduling(config),
+                self.fleet,
+                clock,
+                self._gate_observer,
+                workers=self.workers,
+            )
             classifier = Classifier(config.scheduling)
         self.observers = RequestObservers([RequestTelemetry(telemetry)])
         """Every finished request fans out from here (telemetry, control loops)."""
@@ -119,7 +154,8 @@ class Runtime:
             applier=WindowApplier(self.fleet, self.model_control),
             clock=clock,
             telemetry=telemetry,
-            is_leader=is_leader,
+            # The control loops act only in the leader worker of the leader replica.
+            is_leader=lambda: self.leadership.is_leader() and is_leader(),
         )
         self.observers.add(self.control)
         self.dispatcher = Dispatcher(
@@ -139,14 +175,23 @@ class Runtime:
         )
 
     # --- wiring -------------------------------------------------------------------------
+    def _scheduling(self, config: ProxyConfig) -> SchedulingConfig:
+        """This process's part of the scheduling section (all of it without workers)."""
+        assert config.scheduling is not None
+        return per_worker_scheduling(config.scheduling, self.workers)
+
     def _choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        began = time.perf_counter()
-        chosen = self.router.choose(request, candidates)
-        elapsed = time.perf_counter() - began
-        name, _ = self.router.policy(request.model)
-        self.telemetry.decisions.labels(request.model, name, chosen.name).inc()
-        self.telemetry.decision_time.labels(name).observe(elapsed)
-        return chosen
+        # self.router, read per call: a reload swaps it.
+        return self.router.choose(request, candidates)
+
+    def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
+        self.telemetry.decisions_by.get(model, policy, instance).inc()
+        self.telemetry.decision_time_by.get(policy).observe(seconds)
+
+    def is_leader(self) -> bool:
+        """Whether this process may change the fleet's configuration (batching windows):
+        the leader worker of the leader replica (proxy.leadership, proxy.workers)."""
+        return self.leadership.is_leader()
 
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
@@ -171,11 +216,13 @@ class Runtime:
         so a request sees either the old policy or the new one. Returns the sections that only
         take effect on restart (listening ports, limits, sequence table).
         """
-        router = Router(config.routing, self.clock, self.rng, self.router.stats)
+        router = Router(
+            config.routing, self.clock, self.rng, self.router.stats, observer=self._decided
+        )
         classifier = Classifier(config.scheduling) if config.scheduling is not None else None
         restart_only = [
             name
-            for name in ("listen", "limits", "sequences", "scrape")
+            for name in ("listen", "limits", "sequences", "scrape", "leadership")
             if getattr(config, name) != getattr(self.config, name)
         ]
         new_specs = {i.name: i for i in config.instances}
@@ -192,9 +239,15 @@ class Runtime:
             # Requests already queued drain through the old gates as slots free up.
             self.gates = None
         elif self.gates is None:
-            self.gates = ModelGates(config.scheduling, self.fleet, self.clock, self._gate_observer)
+            self.gates = ModelGates(
+                self._scheduling(config),
+                self.fleet,
+                self.clock,
+                self._gate_observer,
+                workers=self.workers,
+            )
         else:
-            self.gates.reconfigure(config.scheduling)
+            self.gates.reconfigure(self._scheduling(config))
         self.dispatcher.reconfigure(
             admission=self.gates,
             classifier=classifier,
@@ -208,12 +261,37 @@ class Runtime:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        await self.health.start()
+        if self.role is None or self.role.leader:
+            await self.health.start()
+        else:
+            # Followers probe once, to start from the truth; then the leader probes.
+            await self.health.probe_all()
         await self.scraper.start()
+        if self.role is not None and self.role.leader:
+            self._publisher = asyncio.create_task(self._publish(), name="fleet-state-publisher")
+        await self.leadership.start()
         await self.control.start()
+
+    async def _publish(self) -> None:
+        """Leader: share snapshots and health verdicts with the followers (proxy.workers)."""
+        assert self.role is not None
+        path = self.role.state_dir / STATE_FILE
+        while True:
+            try:
+                snapshots = self.scraper.snapshots()
+                write_state(path, leader_state(self.fleet, snapshots, self.clock.now()))
+            except OSError as exc:
+                log.warning("could not publish the fleet state to the other workers: %s", exc)
+            await asyncio.sleep(self.config.scrape.interval_s / 2)
 
     async def stop(self) -> None:
         await self.control.stop()
+        await self.leadership.stop()
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
+            self._publisher = None
         if self.gates is not None:
             self.gates.close()
         await self.catalog.close()

@@ -185,18 +185,31 @@ class Server(Protocol):
     def http_url(self) -> str: ...
     @property
     def metrics_url(self) -> str: ...
+    @property
+    def grpc_address(self) -> str: ...
 
 
 def proxy_policy(
-    servers: Sequence[Server], plan: ArmPlan, scenario: Scenario | None
+    servers: Sequence[Server],
+    plan: ArmPlan,
+    scenario: Scenario | None,
+    *,
+    grpc_addresses: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The policy document of a proxy arm: HTTP only, free ports, the arm's routing/classes."""
+    """The policy document of a proxy arm: free ports, the arm's routing/classes.
+
+    HTTP only, unless ``grpc_addresses`` (one per server) turns the gRPC frontend on.
+    """
     if plan.kind != "proxy" or plan.policy is None:
         raise ValueError(f"{plan.name} is not a proxy arm")
+    instances: list[dict[str, Any]] = [
+        {"name": s.name, "http": s.http_url, "metrics": s.metrics_url} for s in servers
+    ]
+    if grpc_addresses is not None:
+        for entry, address in zip(instances, grpc_addresses, strict=True):
+            entry["grpc"] = address
     doc: dict[str, Any] = {
-        "instances": [
-            {"name": s.name, "http": s.http_url, "metrics": s.metrics_url} for s in servers
-        ],
+        "instances": instances,
         "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
         "routing": {"policy": {"name": plan.policy, "params": {}}},
     }
@@ -214,8 +227,9 @@ def proxy_policy(
 class ProxyEndpoints:
     http_url: str
     metrics_url: str | None
+    grpc_address: str | None = None
     pid: int | None = None
-    """The proxy's process, when it runs in a child process."""
+    """The proxy's process (its workers are its children), when it runs in one of its own."""
 
 
 class ProxyStartError(RuntimeError):
@@ -241,11 +255,28 @@ def _banner_ports(text: str) -> tuple[int, int | None] | None:
     return http, metrics
 
 
+def _banner_grpc(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.strip().startswith("gRPC localhost:"):
+            return int(line.strip().rsplit(":", 1)[1])
+    return None
+
+
 @contextlib.asynccontextmanager
 async def proxy_subprocess(
-    doc: Mapping[str, Any], workdir: Path, name: str, start_timeout_s: float = 30.0
+    doc: Mapping[str, Any],
+    workdir: Path,
+    name: str,
+    start_timeout_s: float = 30.0,
+    *,
+    workers: int = 1,
+    root: Path = ROOT,
 ) -> AsyncIterator[ProxyEndpoints]:
-    """``triton-proxy serve`` on ``doc`` in a child process; yields its endpoints once ready."""
+    """``triton-proxy serve`` on ``doc`` in a child process; yields its endpoints once ready.
+
+    ``root``: the checkout whose ``proxy`` package runs (``python -m`` imports from the working
+    directory), e.g. an older commit to compare with in the same run.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     stem = name.replace("+", "_")
     policy = workdir / f"{stem}.yaml"
@@ -259,9 +290,10 @@ async def proxy_subprocess(
             "serve",
             "--policy",
             str(policy),
+            *(["--workers", str(workers)] if workers != 1 else []),
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
-            cwd=str(ROOT),
+            cwd=str(root),
             preexec_fn=_die_with_parent(),
         )
         try:
@@ -282,9 +314,11 @@ async def _wait_banner(
         ports = _banner_ports(text)  # the banner is one flushed print: whole once seen
         if ports is not None:
             http, metrics = ports
+            grpc_port = _banner_grpc(text)
             return ProxyEndpoints(
                 f"http://127.0.0.1:{http}",
                 f"http://127.0.0.1:{metrics}/metrics" if metrics else None,
+                f"127.0.0.1:{grpc_port}" if grpc_port else None,
             )
         if proc.returncode is not None:
             raise ProxyStartError(
@@ -392,8 +426,12 @@ def build_arm(
     workdir: Path,
     mode: ProxyMode = "subprocess",
     name: str | None = None,
+    workers: int = 1,
+    root: Path = ROOT,
 ) -> ArmSpec:
     """An :class:`ArmSpec` for ``plan`` over ``servers``; nothing starts until it is opened."""
+    if workers != 1 and mode != "subprocess":
+        raise ValueError("proxy workers run only in a child process (--proxy-mode subprocess)")
     arm_name = name or plan.name
     urls = [s.http_url for s in servers]
     names = [s.name for s in servers]
@@ -420,7 +458,7 @@ def build_arm(
     @contextlib.asynccontextmanager
     async def start_proxy() -> AsyncIterator[str]:
         ctx = (
-            proxy_subprocess(doc, workdir / "proxy", arm_name)
+            proxy_subprocess(doc, workdir / "proxy", arm_name, workers=workers, root=root)
             if mode == "subprocess"
             else proxy_inprocess(doc)
         )

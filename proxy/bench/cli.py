@@ -2,7 +2,8 @@
 
     triton-proxy bench [--scenario benchmarks/mixed.yaml] [--instances 3] [--arms default]
                        [--repetitions N] [--scale 0.8 1.0 1.2] [--out bench-results/DIR]
-                       [--overhead]
+                       [--overhead [--overhead-parts closed,open]] [--workers 1,2,4]
+    triton-proxy bench --routing      # routing decision microbenchmark, no servers
 
 Starts ``--instances`` local Triton servers (``proxy.local.LocalFleet``) serving the scenario's
 model, with the scenario's ``model.parameters`` written into a private copy of its
@@ -10,13 +11,18 @@ model, with the scenario's ``model.parameters`` written into a private copy of i
 for each ``--scale``, runs the chosen arms (:mod:`proxy.bench.arms`) one after another on one
 schedule per repetition, prints the table and writes ``report.json``, ``report.txt`` and the
 PNGs. ``--overhead`` adds the idle-fleet overhead and sustained-rate measurement
-(:mod:`proxy.bench.overhead`) of the proxy next to direct access and HAProxy.
+(:mod:`proxy.bench.overhead`) of the proxy next to direct access and HAProxy, and a
+closed-loop run at concurrency 1 and 16 over HTTP and gRPC (:mod:`proxy.bench.closed`).
+``--workers 1,2,4`` runs every proxy arm once per worker count (``serve --workers N``).
+``--routing`` times one routing decision per policy and fleet size
+(:mod:`proxy.bench.routing`) and exits; it starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -25,7 +31,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +42,14 @@ from proxy.bench.arms import (
     ArmPlan,
     Server,
     build_arm,
+    proxy_policy,
+    proxy_subprocess,
     resolve_arms,
     scheduling_section,
     triton_pending_probe,
     with_connection_limit,
 )
+from proxy.bench.closed import ClosedArm, ClosedReport, ClosedTarget, measure_closed
 from proxy.bench.compare import ACCEL_SIM_NOTE, ArmSpec, run_comparison
 from proxy.bench.cpu import CpuMeter
 from proxy.bench.fleet import bench_repository
@@ -60,6 +69,7 @@ OVERHEAD_MODEL = ModelSpec(
 OVERHEAD_TOKENS = 16
 OVERHEAD_ARMS = ("haproxy_leastconn", "proxy_least_requests", "proxy_least_requests+classes")
 INPROCESS_SUFFIX = " (in-process)"
+BASE_SUFFIX = " @base"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -112,6 +122,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="most connections the generator opens to an arm (default 8000); requests beyond "
         "wait in its pool, first come first served, which hides the arm's own ordering",
     )
+    b.add_argument(
+        "--overhead-parts",
+        default="closed,open",
+        help="comma list: closed (concurrency 1/16, HTTP and gRPC), open (idle rate + "
+        "sustained-rate search); default both",
+    )
+    b.add_argument("--closed-duration", type=float, default=5.0, help="seconds per closed-loop run")
+    b.add_argument(
+        "--workers",
+        default="1",
+        help="comma list of proxy worker counts; each proxy arm runs once per count",
+    )
+    b.add_argument(
+        "--baseline-tree",
+        default=None,
+        metavar="DIR",
+        help="also run every proxy arm from this checkout (e.g. `git archive <commit>` "
+        "unpacked), named '<arm> @base', to compare two revisions in one run",
+    )
+    b.add_argument(
+        "--routing",
+        action="store_true",
+        help="routing decision microbenchmark (every policy, 3..1000 instances); no servers",
+    )
     b.add_argument("--overhead-duration", type=float, default=10.0, help="idle run seconds")
     b.add_argument("--overhead-rate", type=float, default=50.0, help="idle run req/s")
     b.add_argument(
@@ -146,6 +180,20 @@ def bench_scenario(
     if duration_s is not None:
         changes["duration_s"] = duration_s
     return dataclasses.replace(sc, **changes) if changes else sc
+
+
+def parse_workers(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ValueError(f"--workers: {exc}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError("--workers: give worker counts >= 1")
+    return tuple(dict.fromkeys(counts))
+
+
+def worker_suffix(workers: int) -> str:
+    return "" if workers == 1 else f" w{workers}"
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -321,16 +369,38 @@ def _environment(argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def cmd_routing(args: argparse.Namespace) -> int:
+    from proxy.bench.routing import measure_all, render
+
+    out = Path(args.out) if args.out else None
+    points = measure_all()
+    text = render(points)
+    print(text, flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "routing.txt").write_text(text + "\n")
+        env = _environment(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+        doc = {"environment": env, "points": [p.to_dict() for p in points]}
+        (out / "routing.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.list_arms:
         print(render_arm_list())
         return 0
+    if args.routing:
+        return cmd_routing(args)
     from proxy.local import LocalFleet, sigterm_raises_exit
 
     try:
         scenario = bench_scenario(args.scenario, args.repetitions, args.duration)
         plans = resolve_arms(args.arms)
         rates = parse_rates(args.overhead_rates)
+        workers = parse_workers(args.workers)
+        parts = {x.strip() for x in args.overhead_parts.split(",") if x.strip()}
+        if not parts <= {"closed", "open"}:
+            raise ValueError("--overhead-parts: closed, open")
     except ValueError as exc:
         print(f"triton-proxy bench: {exc}", file=sys.stderr)
         return 2
@@ -345,6 +415,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env["proxy_mode"] = args.proxy_mode
     env["instances"] = args.instances
     env["connections"] = args.connections
+    env["workers"] = list(workers)
+    args.workers_list = workers
+    args.parts = parts
     models = models_needed(scenario, args.overhead)
     repo = bench_repository(
         Path(args.model_repository),
@@ -355,9 +428,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else None,
     )
     if not args.no_compare:
-        est = estimate_seconds(scenario, len(plans), len(args.scale))
+        per_proxy = len(workers) + (1 if args.baseline_tree else 0)
+        n_arms = sum(per_proxy if p.kind == "proxy" else 1 for p in plans)
+        est = estimate_seconds(scenario, n_arms, len(args.scale))
         print(
-            f"bench: {len(plans)} arms x {scenario.repetitions} repetition(s) x "
+            f"bench: {n_arms} arms x {scenario.repetitions} repetition(s) x "
             f"{len(args.scale)} load factor(s), about {est / 60:.0f} min; results in {out}",
             flush=True,
         )
@@ -395,10 +470,32 @@ async def _bench(
     if not args.no_compare:
         arms = [
             build_arm(
-                p, servers, scenario, model=scenario.model, workdir=work, mode=args.proxy_mode
+                p,
+                servers,
+                scenario,
+                model=scenario.model,
+                workdir=work,
+                mode=args.proxy_mode,
+                name=p.name + worker_suffix(n),
+                workers=n,
             )
             for p in plans
+            for n in (args.workers_list if p.kind == "proxy" else (1,))
         ]
+        if args.baseline_tree:
+            arms += [
+                build_arm(
+                    p,
+                    servers,
+                    scenario,
+                    model=scenario.model,
+                    workdir=work,
+                    name=p.name + BASE_SUFFIX,
+                    root=Path(args.baseline_tree),
+                )
+                for p in plans
+                if p.kind == "proxy"
+            ]
         reports: list[tuple[float, Report]] = []
         note = device_note(scenario)
         for scale in args.scale:
@@ -427,7 +524,13 @@ async def _bench(
             print("\n" + text, flush=True)
             if not args.no_plots:
                 plot_sweep(summary, out / "sweep.png")
-    if args.overhead:
+    if args.overhead and "closed" in args.parts:
+        closed = await _closed(args, scenario, servers, work)
+        text = closed.render()
+        (out / "closed.txt").write_text(text + "\n")
+        (out / "closed.json").write_text(json.dumps(closed.to_dict(), indent=1) + "\n")
+        print("\n" + text, flush=True)
+    if args.overhead and "open" in args.parts:
         overhead = await _overhead(args, scenario, servers, work, rates, show)
         text = overhead.render()
         (out / "overhead.txt").write_text(text + "\n")
@@ -480,3 +583,70 @@ async def _overhead(
         api_key=scenario.classes[top].api_key,
         show_progress=show,
     )
+
+
+async def _closed(
+    args: argparse.Namespace, scenario: Scenario, servers: Sequence[Server], work: Path
+) -> ClosedReport:
+    """Closed loop at concurrency 1 and 16: direct, HAProxy and the proxy, HTTP and gRPC."""
+    from proxy.bench.haproxy import Backend, run_haproxy
+
+    grpc_addresses = [s.grpc_address for s in servers]
+    top = next(iter(scheduling_section(scenario)["classes"]))
+    print("\nbench: closed-loop overhead (model simple, HTTP and gRPC)", flush=True)
+    async with contextlib.AsyncExitStack() as stack:
+        haproxy_url = await stack.enter_async_context(
+            run_haproxy(
+                [Backend(s.name, s.http_url) for s in servers],
+                "leastconn",
+                workdir=work / "haproxy-closed",
+            )
+        )
+        arms = [
+            _ready_arm("direct http", ClosedTarget("http", tuple(s.http_url for s in servers))),
+            _ready_arm(
+                "haproxy_leastconn http", ClosedTarget("http", (haproxy_url,)), "direct http"
+            ),
+            _ready_arm("direct grpc", ClosedTarget("grpc", tuple(grpc_addresses))),
+        ]
+        variants: list[tuple[int, str, Path]] = [
+            (n, worker_suffix(n), ROOT) for n in args.workers_list
+        ]
+        if args.baseline_tree:
+            variants.append((1, BASE_SUFFIX, Path(args.baseline_tree)))
+        for name in ("proxy_least_requests", "proxy_least_requests+classes"):
+            plan = CATALOG[name]
+            doc = proxy_policy(servers, plan, scenario, grpc_addresses=grpc_addresses)
+            for n, suffix, root in variants:
+                label = name + suffix
+                ep = await stack.enter_async_context(
+                    proxy_subprocess(doc, work / "proxy-closed", label, workers=n, root=root)
+                )
+                pids = (ep.pid,) if ep.pid else ()
+                arms.append(
+                    _ready_arm(
+                        f"{label} http", ClosedTarget("http", (ep.http_url,), pids), "direct http"
+                    )
+                )
+                if ep.grpc_address:
+                    arms.append(
+                        _ready_arm(
+                            f"{label} grpc",
+                            ClosedTarget("grpc", (ep.grpc_address,), pids),
+                            "direct grpc",
+                        )
+                    )
+        return await measure_closed(
+            arms,
+            repetitions=3,
+            duration_s=args.closed_duration,
+            api_key=scenario.classes[top].api_key,
+        )
+
+
+def _ready_arm(name: str, target: ClosedTarget, baseline: str | None = None) -> ClosedArm:
+    @contextlib.asynccontextmanager
+    async def open_() -> AsyncIterator[ClosedTarget]:
+        yield target
+
+    return ClosedArm(name, open_, baseline)

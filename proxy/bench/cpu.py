@@ -75,14 +75,28 @@ def machine_busy_s(proc: Path = Path("/proc")) -> float:
 def attribute(
     procs: Sequence[ProcStat], me: int, triton_groups: Collection[int]
 ) -> dict[str, float]:
-    """CPU seconds so far of the generator, the arm process(es) and Triton (pure)."""
+    """CPU seconds so far of the generator, the arm process(es) and Triton (pure).
+
+    The arm is every direct child of ``me`` outside Triton's groups, with its descendants
+    (``serve --workers N``: a supervisor and its N workers).
+    """
     out = {"generator": 0.0, "arm": 0.0, "triton": 0.0}
+    parent = {p.pid: p.ppid for p in procs}
+
+    def in_arm(pid: int) -> bool:
+        seen = 0
+        while pid in parent and seen < 64:  # bounded: pids are reused, cycles are not ours
+            if parent[pid] == me:
+                return True
+            pid, seen = parent[pid], seen + 1
+        return False
+
     for p in procs:
         if p.pgrp in triton_groups:
             out["triton"] += p.cpu_s
         elif p.pid == me:
             out["generator"] += p.cpu_s
-        elif p.ppid == me:
+        elif in_arm(p.pid):
             out["arm"] += p.cpu_s
     return out
 

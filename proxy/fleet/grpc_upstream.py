@@ -92,6 +92,10 @@ class GrpcUpstreams:
         ]
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         """instance name -> (target, channel)"""
+        self._unary: dict[
+            tuple[str, str], tuple[grpc.aio.Channel, grpc.aio.UnaryUnaryMultiCallable]
+        ] = {}
+        """(instance name, method) -> (channel, its multi-callable): built once, not per call"""
         self._replaced: list[grpc.aio.Channel] = []
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
@@ -125,9 +129,11 @@ class GrpcUpstreams:
         ``AioRpcError``."""
         timeout = effective_timeout(client_remaining, self.request_timeout_s)
         ours = timeout is not None and timeout != client_remaining
-        call = self.channel(instance).unary_unary(method)(
-            request, metadata=metadata, timeout=timeout
-        )
+        channel = self.channel(instance)
+        cached = self._unary.get((instance.name, method))
+        if cached is None or cached[0] is not channel:
+            cached = self._unary[(instance.name, method)] = (channel, channel.unary_unary(method))
+        call = cached[1](request, metadata=metadata, timeout=timeout)
         try:
             response: bytes = await call
         except asyncio.CancelledError:
@@ -167,6 +173,7 @@ class GrpcUpstreams:
             if name not in keep or inst is None or target != inst.spec.grpc:
                 del self._channels[name]
                 self._replaced.append(ch)
+        self._unary = {k: v for k, v in self._unary.items() if k[0] in self._channels}
         replaced, self._replaced = self._replaced, []
         for ch in replaced:
             task = asyncio.get_running_loop().create_task(

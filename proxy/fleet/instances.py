@@ -96,6 +96,10 @@ class Instance:
     streams: int = 0
     last_answer_at: float = float("-inf")
     """Clock time of the instance's last answer to a forwarded request."""
+    failed_at: float = float("-inf")
+    """Clock time of the last failure this process saw (probe, connection, 5xx)."""
+    verdict_at: float = float("-inf")
+    """Clock time of the last health verdict (a success or a failure report)."""
     model_in_flight: Counter[str] = field(default_factory=Counter)
     long_in_flight: Counter[str] = field(default_factory=Counter)
     """Requests in flight flagged long (see :class:`Work`), by model."""
@@ -156,6 +160,9 @@ class Fleet:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy]
 
+    def healthy_count(self) -> int:
+        return sum(1 for i in self.instances.values() if i.healthy)
+
     def serving(self, model: str) -> list[Instance]:
         """Healthy instances that have not said ``model`` is missing or not ready there."""
         return [i for i in self.instances.values() if i.serves(model)]
@@ -196,8 +203,10 @@ class Fleet:
 
     # --- health -------------------------------------------------------------------------
     def report_success(self, instance: Instance) -> None:
+        now = self.clock.now()
         instance.failures = 0
-        instance.next_probe_at = self.clock.now() + self.health.interval_s
+        instance.verdict_at = now
+        instance.next_probe_at = now + self.health.interval_s
         if not instance.healthy:
             instance.healthy = True
             instance.ejected_reason = ""
@@ -219,19 +228,26 @@ class Fleet:
         server refused the connection, or said it is not ready)."""
         instance.failures += 1
         now = self.clock.now()
+        instance.failed_at = instance.verdict_at = now
         threshold = 1 if immediate else self.health.eject_after_failures
         if instance.healthy and instance.failures >= threshold:
-            instance.healthy = False
-            instance.ejected_reason = reason
-            instance.backoff_s = self.health.backoff_initial_s
-            instance.next_probe_at = now + instance.backoff_s
-            self._changed(instance)
+            self.eject(instance, reason)
         elif not instance.healthy:
             instance.backoff_s = min(
                 max(instance.backoff_s * 2, self.health.backoff_initial_s),
                 self.health.backoff_max_s,
             )
             instance.next_probe_at = now + instance.backoff_s
+
+    def eject(self, instance: Instance, reason: str) -> None:
+        """Take ``instance`` out of rotation now (probed back with backoff)."""
+        if not instance.healthy:
+            return
+        instance.healthy = False
+        instance.ejected_reason = reason
+        instance.backoff_s = self.health.backoff_initial_s
+        instance.next_probe_at = self.clock.now() + instance.backoff_s
+        self._changed(instance)
 
     # --- per-model availability --------------------------------------------------------
     def exclude_model(self, instance: Instance, model: str, reason: str) -> None:

@@ -17,34 +17,22 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
+from proxy.fleet.http1 import Http1Pool
 from proxy.fleet.instances import Fleet, Instance
+
+__all__ = [
+    "HttpUpstreams",
+    "UpstreamConnectError",
+    "UpstreamLostError",
+    "UpstreamTimeoutError",
+    "http_failure",
+]
 
 log = logging.getLogger(__name__)
 
 RETIRE_MAX_S = 3600.0
 """A retired pool closes when its last request ends, or after this long at the latest."""
-
-
-class UpstreamConnectError(Exception):
-    """No byte of the request reached the instance: safe to retry elsewhere."""
-
-    def __init__(self, message: str, *, refused: bool = False) -> None:
-        super().__init__(message)
-        self.refused = refused
-        """The instance's host refused the connection: nothing listens there (eject at once)."""
-
-
-class UpstreamLostError(Exception):
-    """The connection broke while the instance had the request."""
-
-    def __init__(self, message: str, *, before_response: bool = False) -> None:
-        super().__init__(message)
-        self.before_response = before_response
-        """No byte of the answer had arrived: a stateless request may be retried elsewhere."""
-
-
-class UpstreamTimeoutError(Exception):
-    """The instance did not answer within ``limits.request_timeout_s``."""
 
 
 def http_failure(
@@ -67,13 +55,22 @@ def http_failure(
 class _Pool:
     url: str
     session: aiohttp.ClientSession
+    http1: Http1Pool | None = None
+    """Non-streaming requests to an ``http://`` instance (proxy.fleet.http1)."""
     users: int = 0
 
     def busy(self) -> bool:
         connector = self.session.connector
         # Acquired sockets carry a request right now; users covers a request between
         # taking the pool and acquiring a socket.
+        if self.http1 is not None and self.http1.in_use:
+            return True
         return self.users > 0 or bool(connector and getattr(connector, "_acquired", ()))
+
+    async def close(self) -> None:
+        if self.http1 is not None:
+            self.http1.close()
+        await self.session.close()
 
 
 class HttpUpstreams:
@@ -89,6 +86,8 @@ class HttpUpstreams:
     ) -> None:
         self.fleet = fleet
         self._connections = connections_per_instance
+        self._connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
         # A read timeout, not a total one: a server-sent event stream may run for long, as
         # long as the instance keeps sending; a unary answer must come within the limit.
         self._timeout = aiohttp.ClientTimeout(
@@ -113,9 +112,20 @@ class HttpUpstreams:
             # Bytes travel as the server sent them: the client decompresses, not us.
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            # One pool serves every client: a cookie one response set must never ride on
+            # another client's request (and no jar is consulted on the hot path).
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
-        pool = self._pools[instance.name] = _Pool(instance.spec.http, s)
+        http1 = None
+        if instance.spec.http.startswith("http://"):
+            http1 = Http1Pool(instance.spec.http, self._connections, self._connect_timeout_s)
+        pool = self._pools[instance.name] = _Pool(instance.spec.http, s, http1)
         return pool
+
+    def http1(self, instance: Instance) -> Http1Pool | None:
+        """The lean pool for non-streaming requests (proxy.fleet.http1); None for https://
+        instances, which keep aiohttp's client for everything."""
+        return self._pool(instance).http1
 
     def session(self, instance: Instance) -> aiohttp.ClientSession:
         """The instance's pool, for short calls that may fail if it retires under them."""
@@ -132,10 +142,14 @@ class HttpUpstreams:
             pool.users -= 1
 
     def open_connections(self, instance: Instance) -> int:
+        """Connections carrying a request to ``instance`` right now (both clients)."""
         pool = self._pools.get(instance.name)
-        if pool is None or pool.session.closed or pool.session.connector is None:
+        if pool is None or pool.session.closed:
             return 0
-        return len(getattr(pool.session.connector, "_acquired", ()))
+        busy = pool.http1.in_use if pool.http1 is not None else 0
+        if pool.session.connector is None:
+            return busy
+        return busy + len(getattr(pool.session.connector, "_acquired", ()))
 
     def reset(self, instance: Instance) -> None:
         """A connection to ``instance`` broke: its idle keep-alive connections are suspect
@@ -172,7 +186,7 @@ class HttpUpstreams:
                 await asyncio.sleep(0.05)
         finally:
             # Also when cancelled by close(): the shutdown drain is over.
-            await pool.session.close()
+            await pool.close()
 
     async def close(self) -> None:
         """Close every pool now (shutdown, after the drain)."""
@@ -182,4 +196,4 @@ class HttpUpstreams:
         pools = list(self._pools.values())
         self._pools.clear()
         for pool in pools:
-            await pool.session.close()
+            await pool.close()

@@ -120,14 +120,16 @@ class GrpcFrontend:
         # reloads may hand it another).
         self._rt = runtime_ref
 
-    def server(self, max_receive_bytes: int) -> grpc.aio.Server:
+    def server(self, max_receive_bytes: int, *, reuse_port: bool = False) -> grpc.aio.Server:
+        """``reuse_port``: share the port with the proxy's other workers (``--workers``)."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 # Responses are bounded by Triton, not by the proxy (as over HTTP).
                 ("grpc.max_send_message_length", -1),
-                # Linux gRPC servers share a port with any other by default: fail instead.
-                ("grpc.so_reuseport", 0),
+                # Linux gRPC servers share a port with any other by default: fail instead,
+                # unless the sharing is ours (workers).
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
             ]
         )
         server.add_generic_rpc_handlers([self.handler()])

@@ -17,14 +17,16 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.budget import Hold
 from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError, error_body
+from proxy.fleet.http1 import Http1Pool
 from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import InstanceFailure, to_every_instance
-from proxy.fleet.upstream import http_failure
+from proxy.fleet.upstream import UpstreamTimeoutError, http_failure
 from proxy.frontends import routes
 from proxy.frontends.common import (
     SharedMemoryAction,
@@ -34,7 +36,7 @@ from proxy.frontends.common import (
 )
 from proxy.frontends.kserve_http import (
     HEADER_LENGTH,
-    decode_content,
+    check_content_encoding,
     json_header,
     read_params,
     with_parameters,
@@ -74,15 +76,18 @@ _BODY_HOLD = web.RequestKey("body_hold", Hold)
 
 
 def _forward_headers(
-    headers: CIMultiDictProxy[str], private: frozenset[str] = frozenset()
+    headers: CIMultiDictProxy[str],
+    private: frozenset[str] = frozenset(),
+    also: str | None = None,
 ) -> CIMultiDict[str]:
-    """Headers to send upstream: all but hop-by-hop ones and ``private`` (lower-case names:
-    credentials and the class header, consumed by the proxy)."""
-    return CIMultiDict(
-        (k, v)
-        for k, v in headers.items()
-        if k.lower() not in HOP_BY_HOP and k.lower() not in private
-    )
+    """Headers to send upstream: all but hop-by-hop ones, ``private`` (lower-case names:
+    credentials and the class header, consumed by the proxy) and ``also``."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        low = k.lower()
+        if low not in HOP_BY_HOP and low not in private and low != also:
+            out.add(k, v)
+    return out
 
 
 def error_response(exc: ProxyError) -> web.Response:
@@ -145,12 +150,15 @@ class HttpFrontend:
                 )
             )
         except web.HTTPException as exc:
-            # aiohttp's own refusals (a target its router cannot even match, such as '*'),
-            # in Triton's error format.
+            # aiohttp's own refusals, in Triton's error format. Its router answers 404 only for
+            # a target the catch-all route cannot match, i.e. one not in origin form
+            # (``CONNECT host:port``, ``OPTIONS *``): the same refusal as any other such target.
             if exc.status < 400:
                 raise
-            code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status)
-            return error_response(ProxyError(code or Code.INVALID_ARG, exc.reason))
+            if exc.status == 404:
+                return error_response(routes.not_origin_form())
+            code = {405: Code.METHOD_NOT_ALLOWED}.get(exc.status, Code.INVALID_ARG)
+            return error_response(ProxyError(code, exc.reason))
         finally:
             hold = request.get(_BODY_HOLD)
             if hold is not None:
@@ -165,39 +173,46 @@ class HttpFrontend:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         # Released by the middleware, whatever way the request ends.
         hold = request[_BODY_HOLD] = rt.budget.hold(request.content_length or 0)
-        if request.content_length is not None:
-            return await request.read()
-        chunks: list[bytes] = []
-        async for chunk in request.content.iter_chunked(1 << 16):
-            if hold.nbytes + len(chunk) > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
-            hold.grow(len(chunk))
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            if request.content_length is not None:
+                body = await request.read()
+                # A compressed body is held at its decompressed size (aiohttp decodes it).
+                if len(body) > hold.nbytes:
+                    hold.grow(len(body) - hold.nbytes)
+                return body
+            chunks: list[bytes] = []
+            async for chunk in request.content.iter_chunked(1 << 16):
+                if hold.nbytes + len(chunk) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
+                hold.grow(len(chunk))
+                chunks.append(chunk)
+            return b"".join(chunks)
+        except RequestPayloadError as exc:
+            # A body that ends early or does not decode (a corrupt gzip body, say): the
+            # client's fault, answered as such.
+            raise ProxyError(Code.INVALID_ARG, f"could not read the request body: {exc}") from exc
 
     async def _dispatch(self, request: web.Request, route: Route) -> web.StreamResponse:
         rt = self._rt()
         assert route.model is not None
-        raw = await self._read_body(request)
-        body = decode_content(
-            raw, request.headers.get("Content-Encoding"), rt.config.limits.max_body_bytes
-        )
-        # The body goes upstream decoded, so its encoding header must not.
-        headers = _forward_headers(request.headers, rt.private_headers | {"content-encoding"})
+        check_content_encoding(request.headers.get("Content-Encoding"))
+        body = await self._read_body(request)
+        # aiohttp hands the body over decoded, so its encoding header must not go upstream.
+        headers = _forward_headers(request.headers, rt.private_headers, "content-encoding")
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
-        call_headers = {k.lower(): v for k, v in request.headers.items()}
+        # aiohttp's headers are case-insensitive already: no lower-cased copy is needed.
         params = read_params(body, header_length)
         call = Call(
             model=route.model,
-            headers=call_headers,
+            headers=request.headers,
             params=params,
-            session_key=rt.session_key(call_headers),
+            session_key=rt.session_key(request.headers),
             cost=http_cost(json_header(body, header_length)) if infer else 1.0,
             deadline=deadline.client_deadline(
                 rt.clock.now(),
                 timeout_us=params.timeout_us,
-                header_s=deadline.parse_timeout_ms(call_headers.get(deadline.TIMEOUT_HEADER)),
+                header_s=deadline.parse_timeout_ms(request.headers.get(deadline.TIMEOUT_HEADER)),
             ),
         )
         stream = route.kind is Kind.GENERATE_STREAM
@@ -236,6 +251,11 @@ class HttpFrontend:
         instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
         """
         rt = self._rt()
+        pool = None if stream else rt.upstreams.http1(instance)
+        if pool is not None:
+            return await self._exchange_http1(
+                instance, pool, request.method, path, body, headers, dispatched=dispatched
+            )
         with rt.upstreams.using(instance) as session:
             try:
                 upstream = await session.request(
@@ -284,6 +304,35 @@ class HttpFrontend:
             self._rt().health.check_soon(instance)
             return response
         await response.write_eof()
+        return response
+
+    async def _exchange_http1(
+        self,
+        instance: Instance,
+        pool: Http1Pool,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        *,
+        dispatched: bool,
+    ) -> web.Response:
+        """A non-streaming exchange through the lean HTTP/1.1 pool (proxy.fleet.http1); the
+        same answers and failures as :meth:`_relay_answer` gives for aiohttp's client."""
+        rt = self._rt()
+        timeout = rt.upstreams.request_timeout_s
+        try:
+            answer = await pool.request(method, path, list(headers.items()), body, timeout)
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(f"no answer within {timeout:g} s") from exc
+        if answer.status >= 500:
+            rt.health.check_soon(instance)
+        out = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP)
+        response = web.Response(status=answer.status, body=answer.body, headers=out)
+        if dispatched and answer.status in (400, 404):
+            text = answer.body.decode(errors="replace")
+            if says_model_absent(text):
+                raise ModelAbsentError(text, response)
         return response
 
     # --- everything else ------------------------------------------------------------------

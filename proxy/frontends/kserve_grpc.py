@@ -8,6 +8,7 @@ only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,8 +131,19 @@ def with_parameters(data: bytes, values: Mapping[str, int]) -> bytes:
     """
     if not values:
         return data
-    entry = pb.ModelInferRequest(
-        parameters={name: pb.InferParameter(int64_param=value) for name, value in values.items()}
+    return data + b"".join(
+        _parameter_entry(name, value) if name == "priority" else _encode_entry(name, value)
+        for name, value in values.items()
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_entry(name: str, value: int) -> bytes:
+    # A class has one priority: the same few entries are encoded for every request.
+    return _encode_entry(name, value)
+
+
+def _encode_entry(name: str, value: int) -> bytes:
+    entry = pb.ModelInferRequest(parameters={name: pb.InferParameter(int64_param=value)})
     encoded: bytes = entry.SerializeToString()
-    return data + encoded
+    return encoded

@@ -21,6 +21,7 @@ the query string is dropped (no Triton route reads one).
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -83,15 +84,19 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def not_origin_form() -> ProxyError:
+    return bad_request(
+        "request target must be an absolute path such as /v2/models/NAME/infer "
+        "(absolute-form and authority-form targets are not accepted)"
+    )
+
+
 def segments(raw_target: str) -> list[str]:
     """The decoded segments of an origin-form path, or :class:`ProxyError` (400)."""
     path, _, _ = raw_target.partition("?")
     path = path.partition("#")[0]
     if not path.startswith("/") or path.startswith("//"):
-        raise bad_request(
-            "request target must be an absolute path such as /v2/models/NAME/infer "
-            "(absolute-form and authority-form targets are not accepted)"
-        )
+        raise not_origin_form()
     if _ENCODED_FORBIDDEN.search(path) or _PERCENT.search(path):
         raise bad_request(
             "request path contains an encoded '/', '\\', '.' or NUL, or a malformed "
@@ -154,8 +159,15 @@ def not_found() -> ProxyError:
     return ProxyError(Code.NOT_FOUND, "Not Found")
 
 
+@functools.lru_cache(maxsize=4096)
 def match(method: str, raw_target: str) -> Route:
-    """The route for ``method`` and the raw request target, or :class:`ProxyError`."""
+    """The route for ``method`` and the raw request target, or :class:`ProxyError`.
+
+    Memoised (refusals raise, so they are not): the same few targets
+    (``/v2/models/<name>/infer``) arrive on every request, and checking one took about 4 % of
+    the proxy's CPU per request under load (py-spy, docs/benchmarks.md). A :class:`Route` is
+    frozen and depends on nothing but its arguments, so a remembered one is the same answer.
+    """
     parts = segments(raw_target)
     key = tuple(parts)
     fixed = _FIXED.get((method, *key))

@@ -340,6 +340,22 @@ class LocalFleet:
             raise
         return slot.server()
 
+    def revive(self, timeout_s: float = 120) -> list[str]:
+        """Restart every server whose process has exited (a crash, or a kill nobody undid);
+        returns the log tails of those that died on their own, for the caller to report."""
+        dead: list[tuple[int, str]] = []
+        for slot in self._slots:
+            with self._lock:
+                proc = slot.proc
+            if proc is None:
+                dead.append((slot.index, f"{slot.name}: stopped and not restarted"))
+            elif proc.poll() is not None:
+                tail = log_tail(slot.log_path, 15)
+                dead.append((slot.index, f"{slot.name} exited with {proc.returncode}:\n{tail}"))
+        for index, _ in dead:
+            self.restart(index, timeout_s)
+        return [why for _, why in dead]
+
     # -- internals ---------------------------------------------------------------------------
 
     def _prepare(self) -> None:

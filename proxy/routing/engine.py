@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.clock import Clock
@@ -27,6 +28,9 @@ from proxy.routing.feedback import InstanceFeedback
 from proxy.routing.registry import build_policy
 from proxy.routing.retry import RetryBudget
 from proxy.routing.select import MIN_WEIGHT
+
+DecisionObserver = Callable[[str, str, str, float], None]
+"""Called after each decision with (model, policy name, chosen instance, seconds taken)."""
 
 
 class NoCandidatesError(LookupError):
@@ -69,9 +73,11 @@ class Router:
         clock: Clock,
         rng: random.Random,
         stats: RoutingStats | None = None,
+        observer: DecisionObserver | None = None,
     ) -> None:
         self.config = config
         self.stats = stats if stats is not None else RoutingStats()
+        self.observer = observer
         self._clock = clock
         self._rng = rng
         self.feedback = (
@@ -104,10 +110,12 @@ class Router:
             reason = "all_stale" if any(stale) else "no_metrics"
             self.stats.record_fallback(request.model, reason)
         out: list[Candidate] = []
+        feedback = self.feedback
+        model = request.model
         for c, is_stale in zip(candidates, stale, strict=True):
             weight = c.weight
-            if self.feedback is not None:
-                weight *= self.feedback.weight(c.name, request.model, c.snapshot)
+            if feedback is not None:
+                weight *= feedback.weight(c.name, model, c.snapshot, now)
             snapshot = c.snapshot
             if not fresh:
                 snapshot, is_stale = None, False
@@ -124,9 +132,14 @@ class Router:
         """The chosen candidate (as prepared: match it to an instance by ``name``)."""
         if not candidates:
             raise NoCandidatesError(f"no ready instance serves model '{request.model}'")
+        # The whole decision is timed (engine rules + policy), with the CPU's clock: how long
+        # it took is a measurement, not an input to any decision.
+        began = time.perf_counter()
         prepared = self.prepare(request, candidates)
         name, policy = self.policy(request.model)
-        began = self._clock.now()
         chosen = policy.choose(prepared, request)
-        self.stats.record_decision(request.model, name, chosen.name, self._clock.now() - began)
+        elapsed = time.perf_counter() - began
+        self.stats.record_decision(request.model, name, chosen.name, elapsed)
+        if self.observer is not None:
+            self.observer(request.model, name, chosen.name, elapsed)
         return chosen

@@ -65,12 +65,23 @@ class InstanceFeedback:
         self._clock = clock
         self._states: dict[tuple[str, str], _State] = {}
 
-    def weight(self, instance: str, model: str, snapshot: InstanceSnapshot | None) -> float:
-        """Evaluate a new window if one is due, and return the current weight."""
+    def weight(
+        self,
+        instance: str,
+        model: str,
+        snapshot: InstanceSnapshot | None,
+        now: float | None = None,
+    ) -> float:
+        """Evaluate a new window if one is due, and return the current weight.
+
+        ``now`` is the clock's time when the caller has just read it (one read per decision
+        instead of one per candidate).
+        """
         st = self._states.get((instance, model))
         if st is None:
             st = self._states[(instance, model)] = _State()
-        now = self._clock.now()
+        if now is None:
+            now = self._clock.now()
         if st.evaluated_at is not None and now - st.evaluated_at < self.params.window_s:
             return st.weight
         if snapshot is None or snapshot.taken_at == st.seen_taken_at:

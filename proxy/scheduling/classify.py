@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 from proxy.scheduling.config import HASHED_KEY_PREFIX, ApiKeyConfig, SchedulingConfig
 
 
@@ -30,8 +32,8 @@ def header(headers: Mapping[str, str], name: str) -> str | None:
     scan covers plain dicts built any other way.
     """
     value = headers.get(name)
-    if value is not None:
-        return value
+    if value is not None or isinstance(headers, CIMultiDictProxy | CIMultiDict):
+        return value  # a case-insensitive mapping has answered for every spelling
     lowered = name.lower()
     for key, val in headers.items():
         if key.lower() == lowered:

@@ -8,15 +8,15 @@ wait in the proxy's class queues, where the order is ours.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from types import TracebackType
 
 from proxy.clock import Clock
 from proxy.control.concurrency import AdaptiveConcurrency
 from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
-from proxy.scheduling.gate import Gate, GateObserver
+from proxy.scheduling.gate import Admission, Gate, GateObserver
 from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
 
@@ -44,11 +44,46 @@ class FanOutObserver(GateObserver):
             o.on_complete(class_name)
 
 
+class ModelAdmission:
+    """A gate admission that gives the class's Triton priority when it enters.
+
+    A class, not an ``@asynccontextmanager``: one is entered per request, and the generator
+    wrapper was 6 % of the proxy's samples under load with classes on (py-spy,
+    docs/benchmarks.md).
+    """
+
+    __slots__ = ("_admission", "_priority")
+
+    def __init__(self, admission: Admission, priority: int | None) -> None:
+        self._admission = admission
+        self._priority = priority
+
+    async def __aenter__(self) -> int | None:
+        await self._admission.__aenter__()
+        return self._priority
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._admission.__aexit__(exc_type, exc, tb)
+
+
 class ModelGates:
     def __init__(
-        self, config: SchedulingConfig, fleet: Fleet, clock: Clock, observer: GateObserver
+        self,
+        config: SchedulingConfig,
+        fleet: Fleet,
+        clock: Clock,
+        observer: GateObserver,
+        *,
+        workers: int = 1,
     ) -> None:
         self.config = config
+        self.workers = workers
+        """Proxy processes sharing the fleet: each takes ``ceil(1/workers)`` of the slots."""
         self.fleet = fleet
         self.clock = clock
         self.observer = observer
@@ -74,8 +109,13 @@ class ModelGates:
         """Requests of ``model`` that ``instance`` may hold (adaptive, or fixed/derived)."""
         if self.adaptive is not None:
             per_batch = max(1, info.max_batch_size) * max(1, info.model_instances)
-            return self.adaptive.limit(instance, model, per_batch)
-        return self.config.instance_concurrency(info.max_batch_size, info.model_instances)
+            slots = self.adaptive.limit(instance, model, per_batch)
+        else:
+            slots = self.config.instance_concurrency(info.max_batch_size, info.model_instances)
+        if self.workers > 1:
+            # One of N worker processes: see proxy.workers.per_worker_scheduling for the bound.
+            slots = max(1, -(-slots // self.workers))
+        return slots
 
     def slot_limit(self, instance: str, model: str) -> int | None:
         """Placement's per-instance bound for ``model``, or None before its gate exists."""
@@ -130,13 +170,10 @@ class ModelGates:
             )
         return gate
 
-    @contextlib.asynccontextmanager
-    async def admit(
-        self, model: str, info: ModelInfo, class_name: str
-    ) -> AsyncIterator[int | None]:
-        """Wait for a slot; yields the Triton priority to set on the request (or None)."""
-        async with self.gate(model, info).admit(class_name):
-            yield self.config.triton_priority_for(class_name, info.priority_levels)
+    def admit(self, model: str, info: ModelInfo, class_name: str) -> ModelAdmission:
+        """``async with``: wait for a slot; gives the Triton priority to set (or None)."""
+        priority = self.config.triton_priority_for(class_name, info.priority_levels)
+        return ModelAdmission(self.gate(model, info).admit(class_name), priority)
 
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""

@@ -141,7 +141,18 @@ def test_compressed_bodies_are_decoded_and_get_the_class_priority(
         b"\x1f\x8b not gzip",
         "Content-Encoding: gzip\r\n",
     )
-    assert status == 400 and b"decompress" in payload
+    assert status == 400 and b"could not read the request body" in payload
+    status, payload = raw(
+        proxy.http, "POST /v2/models/accel_sim/infer", b"abc", "Content-Encoding: br\r\n"
+    )
+    assert status == 400 and b"unsupported Content-Encoding" in payload
+    # A zip bomb costs no more than the body limit: 413 once its decompressed bytes pass it.
+    limit = proxy.runtime.config.limits.max_body_bytes
+    bomb = gzip.compress(b"\0" * (limit + 1024))
+    status, payload = raw(
+        proxy.http, "POST /v2/models/accel_sim/infer", bomb, "Content-Encoding: gzip\r\n"
+    )
+    assert status == 413, payload
 
 
 def test_the_reload_log_never_shows_a_secret(

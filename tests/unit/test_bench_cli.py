@@ -438,8 +438,10 @@ def test_attribute_and_cpu_use():
         ProcStat(20, 10, 20, 3.0),  # a Triton server (own group) and its stub
         ProcStat(21, 20, 20, 4.0),
         ProcStat(30, 1, 30, 9.0),  # someone else
+        ProcStat(12, 11, 11, 0.5),  # the arm's own children (proxy workers)
+        ProcStat(13, 12, 11, 0.25),
     ]
-    assert attribute(procs, 10, {20}) == {"generator": 2.0, "arm": 1.0, "triton": 7.0}
+    assert attribute(procs, 10, {20}) == {"generator": 2.0, "arm": 1.75, "triton": 7.0}
     use = cpu_use(
         "x",
         (0.0, 100.0, {"generator": 1.0, "arm": 0.0, "triton": 2.0}),

@@ -1,0 +1,175 @@
+"""CPU per request of the proxy from several checkouts, alternated, against a fake Triton.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/cpu_ab.py OLD_TREE . --rounds 5
+
+Each round starts, for every checkout in turn, ``triton-proxy serve`` from that checkout (one
+process) in front of one fake Triton (aiohttp HTTP + grpc.aio, answering at once, in its own
+process), drives it closed-loop at concurrency 16 for ``--seconds`` over HTTP or gRPC, with and
+without classes, and reads the CPU time of every thread of the proxy process from ``/proc``.
+The fake server's answer costs nothing to compute, so the figure is the proxy's own cost per
+request; alternating the checkouts round by round spreads a noisy machine's drift over all of
+them. Prints the median over rounds per (checkout, protocol, classes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+
+from proxy.bench.closed import ClosedTarget, SimpleRequest, run_closed, sender  # noqa: E402
+
+FAKE = """
+import asyncio, sys, grpc, uvloop
+from aiohttp import web
+from tritonclient.grpc import service_pb2 as pb
+ANSWER = pb.ModelInferResponse(model_name="simple").SerializeToString()
+async def main():
+    async def ready(r): return web.Response()
+    async def config(r):
+        return web.json_response({"max_batch_size": 8, "dynamic_batching": {"priority_levels": 3}})
+    async def infer(r):
+        await r.read(); return web.json_response({"outputs": []})
+    async def metrics(r): return web.Response(text="")
+    async def model_infer(request, context): return ANSWER
+    app = web.Application()
+    app.router.add_get("/v2/health/ready", ready)
+    app.router.add_get("/v2/models/{m}/config", config)
+    app.router.add_post("/v2/models/{m}/infer", infer)
+    app.router.add_get("/metrics", metrics)
+    handler = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer)})
+    server = grpc.aio.server(); server.add_generic_rpc_handlers([handler])
+    gport = server.add_insecure_port("127.0.0.1:0"); await server.start()
+    runner = web.AppRunner(app, access_log=None); await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(runner.addresses[0][1], gport, flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+CLASSES = {
+    "classes": {"rt": {"rank": 0, "triton_priority": 1}, "bulk": {"rank": 1, "triton_priority": 2}},
+    "default_class": "bulk",
+    "api_keys": {"ab-key": {"class_name": "rt"}},
+}
+
+
+def thread_cpu_s(pid: int) -> float:
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        total += (int(rest[11]) + int(rest[12])) / tick
+    return total
+
+
+async def one(
+    tree: Path, http: str, grpc_address: str, protocol: str, classes: bool, seconds: float
+) -> tuple[float, float]:
+    """(req/s, CPU ms per request) of one proxy run from ``tree``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = Path(tmp) / "policy.yaml"
+        doc: dict[str, object] = {
+            "instances": [
+                {"name": "t0", "http": http, "grpc": grpc_address, "metrics": http + "/metrics"}
+            ],
+            "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
+        }
+        if classes:
+            doc["scheduling"] = CLASSES
+        policy.write_text(yaml.safe_dump(doc))
+        log = Path(tmp) / "proxy.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "proxy.cli", "serve", "--policy", str(policy)],
+                cwd=tree,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(tree)},
+            )
+        try:
+            ports: dict[str, int] = {}
+            deadline = time.monotonic() + 30
+            while len(ports) < 2:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"proxy from {tree} did not start:\n{log.read_text()}")
+                await asyncio.sleep(0.1)
+                for line in log.read_text().splitlines():
+                    if "ready: HTTP localhost:" in line:
+                        ports["http"] = int(line.rsplit(":", 1)[1])
+                    elif line.strip().startswith("gRPC localhost:"):
+                        ports["grpc"] = int(line.rsplit(":", 1)[1])
+            if protocol == "http":
+                target = ClosedTarget("http", (f"http://127.0.0.1:{ports['http']}",))
+            else:
+                target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
+            request = SimpleRequest(api_key="ab-key" if classes else None)
+            async with sender(target, request, 16) as send:
+                await run_closed(send, 16, 1.0, warmup_s=0.0)  # connections, caches
+                before = thread_cpu_s(proc.pid)
+                lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
+                after = thread_cpu_s(proc.pid)
+            if errors:
+                raise RuntimeError(f"{errors} errors from {tree}: {err}")
+            return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+async def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("trees", nargs="+", help="checkouts to compare (the proxy package's root)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
+    args = p.parse_args()
+    trees = [Path(t).resolve() for t in args.trees]
+    fake = subprocess.Popen([sys.executable, "-c", FAKE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        http_port, grpc_port = fake.stdout.readline().split()
+        http, grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for r in range(args.rounds):
+            for config in args.configs.split(","):
+                protocol, classes = config.split("+")[0], config.endswith("+classes")
+                order = trees[r % len(trees) :] + trees[: r % len(trees)]
+                for tree in order:
+                    rps, cpu = await one(tree, http, grpc_address, protocol, classes, args.seconds)
+                    results.setdefault((str(tree), config), []).append((rps, cpu))
+                    print(f"round {r + 1} {config:<13} {tree}: {rps:6.0f} req/s  {cpu:.3f} ms/req")
+        print("\nmedian over rounds: CPU ms per request (req/s at concurrency 16)")
+        for config in args.configs.split(","):
+            cells = []
+            for tree in trees:
+                runs = results[(str(tree), config)]
+                cpu = statistics.median(c for _, c in runs)
+                rps = statistics.median(x for x, _ in runs)
+                cells.append(f"{tree.name}: {cpu:.3f} ({rps:.0f})")
+            print(f"  {config:<13} " + "   ".join(cells))
+    finally:
+        fake.kill()
+        fake.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    sys.exit(uvloop.run(main()))

@@ -1,0 +1,253 @@
+"""``serve --workers N``: limits split across workers, the shared fleet view, and N processes
+on one port in front of a small fake Triton."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.clock import FakeClock
+from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec
+from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+from proxy.scheduling.config import load_scheduling
+from proxy.telemetry import merge_workers
+from proxy.workers import (
+    STATE_FILE,
+    SharedSnapshots,
+    leader_state,
+    per_worker,
+    per_worker_scheduling,
+    write_state,
+)
+from tests.unit.fake_triton import fake_triton
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("limit", "workers", "each", "total_at_most"),
+    [(32, 1, 32, 32), (32, 2, 16, 32), (32, 4, 8, 32), (32, 3, 11, 34), (1, 4, 1, 4)],
+)
+def test_per_worker_limits_and_their_bound(limit, workers, each, total_at_most):
+    assert per_worker(limit, workers) == each
+    assert workers * each <= limit + workers - 1
+    assert workers * each <= total_at_most
+
+
+def test_scheduling_section_is_split_between_workers():
+    cfg = load_scheduling(
+        {
+            "max_queued_total": 100,
+            "concurrency": 10,
+            "classes": {
+                "rt": {"rank": 0, "max_concurrency": 6, "max_queue": 50, "max_share": 0.5},
+                "bulk": {"rank": 1},
+            },
+            "default_class": "bulk",
+        }
+    )
+    two = per_worker_scheduling(cfg, 2)
+    assert two.max_queued_total == 50
+    assert two.classes["rt"].max_concurrency == 3
+    assert two.classes["rt"].max_queue == 25
+    assert two.classes["rt"].max_share == 0.5  # a fraction of each worker's own capacity
+    assert two.classes["bulk"].max_concurrency is None
+    assert two.concurrency == 10  # per instance: divided by ModelGates, which knows the model
+    assert per_worker_scheduling(cfg, 1) is cfg
+
+
+def _fleet(clock: FakeClock) -> Fleet:
+    specs = tuple(InstanceSpec(name=n, http=f"http://{n}:8000") for n in ("a", "b"))
+    return Fleet(specs, HealthConfig(), clock)
+
+
+def test_follower_reads_the_leaders_snapshots_and_health(tmp_path):
+    clock = FakeClock(100.0)
+    leader, follower = _fleet(clock), _fleet(clock)
+    snap = InstanceSnapshot(taken_at=99.5, models={"m": ModelLoad(pending=3)})
+    leader.report_failure(leader.get("b"), "readiness probe answered 503", immediate=True)
+    write_state(tmp_path / STATE_FILE, leader_state(leader, {"a": snap}, clock.now()))
+
+    view = SharedSnapshots(tmp_path / STATE_FILE, follower, interval_s=1.0)
+    assert view.refresh() is True
+    assert view.snapshot("a") == snap and view.snapshot("b") is None
+    assert not follower.get("b").healthy
+    assert follower.get("b").ejected_reason == "readiness probe answered 503"
+    assert view.refresh() is False  # unchanged file: nothing to do
+
+
+def test_a_followers_own_failure_outlives_older_leader_verdicts(tmp_path):
+    clock = FakeClock(100.0)
+    leader, follower = _fleet(clock), _fleet(clock)
+    for inst in leader.all():
+        leader.report_success(inst)
+    write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now()))
+    clock.advance(0.5)
+    follower.report_failure(
+        follower.get("a"), "connection refused", immediate=True
+    )  # seen after the verdict
+    view = SharedSnapshots(tmp_path / STATE_FILE, follower, interval_s=1.0)
+    view.refresh()
+    assert not follower.get("a").healthy
+    clock.advance(1.0)  # the leader probes again, after the follower's failure: back in
+    leader.report_success(leader.get("a"))
+    write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now()))
+    view.refresh()
+    assert follower.get("a").healthy
+
+
+def test_merged_metrics_label_each_workers_series():
+    a = '# HELP x_total n\n# TYPE x_total counter\nx_total{m="s"} 2.0\n'
+    b = '# HELP x_total n\n# TYPE x_total counter\nx_total{m="s"} 5.0\n'
+    text = merge_workers([("0", a), ("1", b)]).decode()
+    samples = {
+        s.labels["worker"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "x_total"
+    }
+    assert samples == {"0": 2.0, "1": 5.0}
+
+
+# -- N processes on one port ----------------------------------------------------------------
+
+
+async def _banner(proc: asyncio.subprocess.Process) -> dict[str, int]:
+    ports: dict[str, int] = {}
+    assert proc.stdout is not None
+    while "workers" not in ports:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line, "the proxy exited before its banner"
+        if "ready: HTTP localhost:" in line:
+            ports["http"] = int(line.rsplit(":", 1)[1])
+        elif line.strip().startswith("metrics http://localhost:"):
+            ports["metrics"] = int(line.strip().split(":")[2].split("/")[0])
+        elif "worker processes" in line:
+            ports["workers"] = int(line.split()[0])
+    return ports
+
+
+async def test_two_workers_share_the_port_and_the_scrape(tmp_path):
+    async with fake_triton() as (fake, url):
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(
+            yaml.safe_dump(
+                {
+                    "instances": [{"name": "t0", "http": url, "metrics": url + "/metrics"}],
+                    "listen": {"host": "127.0.0.1", "http_port": 0, "metrics_port": 0},
+                    # One scrape at start, then none during the test: count who scrapes.
+                    "scrape": {"interval_s": 600, "window_s": 600},
+                    "scheduling": {},
+                }
+            )
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--workers",
+            "2",
+            "--policy",
+            str(policy),
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            ports = await _banner(proc)
+            assert ports["workers"] == 2
+            base = f"http://127.0.0.1:{ports['http']}"
+            body = b'{"inputs":[]}'
+            for _ in range(60):
+                # A new connection each time: the kernel spreads connections, not requests.
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(base + "/v2/models/m/infer", data=body) as resp,
+                ):
+                    assert resp.status == 200
+            assert fake.hits["infer"] == 60
+            assert fake.hits["metrics"] == 1  # the leader's scrape only
+            metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
+            async with aiohttp.ClientSession() as s, s.get(metrics_url) as resp:
+                text = await resp.text()
+            served = Counter[str]()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "triton_proxy_requests_total":
+                        served[sample.labels["worker"]] += int(sample.value)
+            assert sum(served.values()) == 60
+            assert set(served) == {"0", "1"}, f"one worker served everything: {served}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_workers_reload_on_sighup_and_a_dead_worker_is_replaced(tmp_path):
+    async with fake_triton() as (_fake, url):
+        policy = tmp_path / "policy.yaml"
+        doc = {
+            "instances": [{"name": "t0", "http": url}],
+            "listen": {"host": "127.0.0.1", "http_port": 0, "metrics_port": 0},
+        }
+        policy.write_text(yaml.safe_dump(doc))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--workers",
+            "2",
+            "--policy",
+            str(policy),
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+
+        async def wait_for(text: str) -> list[str]:
+            seen: list[str] = []
+            while not any(text in line for line in seen):
+                line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+                assert line, f"the proxy exited before {text!r}: {seen}"
+                seen.append(line)
+            return seen
+
+        try:
+            await _banner(proc)
+            doc["routing"] = {"policy": {"name": "round_robin"}}
+            policy.write_text(yaml.safe_dump(doc))
+            proc.send_signal(signal.SIGHUP)
+            lines = await wait_for("policy reloaded")
+            lines += await wait_for("policy reloaded")  # both workers
+            # Ports the file leaves at 0 are the ones picked at start: no restart needed.
+            assert not any("need a restart" in line for line in lines), lines
+            workers = [
+                int(p)
+                for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            ]
+            assert len(workers) == 2
+            os.kill(workers[1], signal.SIGKILL)
+            await wait_for("restarting it")
+            for _ in range(100):
+                now = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if len(now) == 2 and str(workers[1]) not in now:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the dead worker was not replaced")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
