@@ -231,7 +231,15 @@ class HttpFrontend:
                 instance, request, route.upstream_path, data, hdrs, stream=stream, dispatched=True
             )
 
-        return await rt.dispatcher.run(call, send, stream=stream, outcome=lambda r: str(r.status))
+        return await rt.dispatcher.run(
+            call,
+            send,
+            stream=stream,
+            outcome=lambda r: str(r.status),
+            # Triton's HTTP frontend does not notice a closed connection (#7077): once sent,
+            # the request holds its slot and token until Triton answers.
+            upstream_cancels=stream,
+        )
 
     async def _exchange(
         self,
