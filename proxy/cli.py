@@ -19,7 +19,14 @@ from proxy.workers import Supervisor, WorkerRole
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "model_repository"
-DEFAULT_MODELS = ("simple", "text_encoder", "accel_sim", "text_generator", "accumulator")
+DEFAULT_MODELS = (
+    "simple",
+    "text_encoder",
+    "accel_sim",
+    "text_generator",
+    "accumulator",
+    "sleeper",
+)
 log = logging.getLogger("triton_proxy")
 
 

@@ -54,6 +54,11 @@ class LimitsConfig:
     drain_timeout_s: float = 10.0
     """On shutdown, how long queued and in-flight requests may finish before they get 503 or
     are cancelled."""
+    cancel_upstream: bool = True
+    """Stop work nobody waits for: a client that leaves (or whose deadline passes) cancels its
+    request in the proxy's queue and upstream, and the rest of a client deadline is handed to
+    Triton as the request's ``timeout``. ``false`` ignores deadlines and lets such requests run
+    to the end (their answers are dropped): only for comparison (docs/cancellation.md)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

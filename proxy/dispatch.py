@@ -2,7 +2,10 @@
 
 admission (class queue, when scheduling is on) → placement (sequence affinity, else the routing
 policy) → in-flight token → send → outcome. Frontends supply only ``send``, the
-protocol-specific forwarding, which receives the instance and the Triton priority to set.
+protocol-specific forwarding, which receives the instance and the parameters to set (the class's
+Triton priority, the rest of the client's deadline as Triton's ``timeout``). A request whose
+client deadline has passed is shed before dispatch and cancelled in flight
+(:mod:`proxy.scheduling.deadline`, docs/cancellation.md).
 
 Retried elsewhere, under the retry budget and ``max_retries``: a request that never reached its
 instance (refused, connect timeout); a stateless request (no sequence, model not decoupled)
@@ -14,24 +17,25 @@ only asks for an early probe: one slow answer does not eject an instance.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from proxy.canary import CANARY, MAIN, Splitter
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
-from proxy.fleet.catalog import ModelCatalog
+from proxy.fleet.catalog import ModelCatalog, ModelInfo
 from proxy.fleet.instances import Fleet, Instance, Work
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.observer import RequestObserver, RequestRecord
-from proxy.request import Call, InferParams
+from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
-from proxy.scheduling import Classifier, Shed, ShedReason
+from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 from proxy.scheduling.cost import CostModel
 
 if TYPE_CHECKING:
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 OTHER_MODEL = "other"
 """Metric label of requests for models no instance knows."""
-Send = Callable[[Instance, int | None], Awaitable[T]]
-"""Forward the request to the instance, setting this Triton priority when not None."""
+Send = Callable[[Instance, Forward], Awaitable[T]]
+"""Forward the request to the instance, setting the parameters that ``Forward`` gives."""
 
 
 class ModelAbsentError(Exception):
@@ -129,6 +133,7 @@ class Dispatcher:
         on_lost: Callable[[Instance], None] = lambda _: None,
         costs: CostModel | None = None,
         observer: RequestObserver | None = None,
+        cancel_upstream: bool = True,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -146,6 +151,8 @@ class Dispatcher:
         """Per-model request costs and service-time curves, learned from this traffic."""
         self.observer = observer
         """Told once about every finished request (telemetry and controllers subscribe)."""
+        self.cancel_upstream = cancel_upstream
+        """``limits.cancel_upstream``: honour client deadlines and departures."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -186,9 +193,12 @@ class Dispatcher:
         stream: bool = False,
         admit: bool = True,
         outcome: Callable[[T], str] = lambda _: "ok",
+        upstream_cancels: bool = True,
     ) -> T:
         """Place and send one request. ``admit=False``: no class gate for the call itself
-        (a gRPC stream, whose messages pass the gate one by one through :meth:`admitted`)."""
+        (a gRPC stream, whose messages pass the gate one by one through :meth:`admitted`).
+        ``upstream_cancels=False``: cancelling ``send`` does not stop the work in Triton (HTTP,
+        server issue #7077), so a sent request keeps its slot and token until Triton answers."""
         arm = self.arm_for(call)
         klass = self.classify(call, arm)
         began = time.perf_counter()
@@ -221,18 +231,9 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            batch = info.max_batch_size if info is not None else 1
-            if arm.admission is None or not admit or info is None:
-                placing = self._placing(call, arm, klass, None, batch)
-                instance, result = await self._send(call, None, send, stream, placing, trace)
-            else:
-                queued_at = time.perf_counter()
-                async with arm.admission.admit(call.model, info, klass) as priority:
-                    trace.queue_wait_s = time.perf_counter() - queued_at
-                    placing = self._placing(call, arm, klass, priority, batch)
-                    instance, result = await self._send(
-                        call, priority, send, stream, placing, trace
-                    )
+            instance, result = await self._serve(
+                call, arm, info, klass, send, stream, admit, trace, upstream_cancels
+            )
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -241,6 +242,9 @@ class Dispatcher:
             raise _shed_error(call.model, shed) from shed
         except ProxyError as exc:
             result_label = exc.code.name.lower()
+            raise
+        except asyncio.CancelledError:
+            result_label = "cancelled"  # the client left
             raise
         finally:
             if self.observer is not None:
@@ -259,6 +263,81 @@ class Dispatcher:
                         slo_s=arm.classifier.slo_s(klass) if arm.classifier is not None else None,
                     )
                 )
+
+    async def _serve(
+        self,
+        call: Call,
+        arm: Arm,
+        info: ModelInfo | None,
+        klass: str,
+        send: Send[T],
+        stream: bool,
+        admit: bool,
+        trace: _Trace,
+        upstream_cancels: bool,
+    ) -> tuple[Instance, T]:
+        """Admission and sending, within the client's deadline (docs/cancellation.md)."""
+        if not self.cancel_upstream:
+            # As behind a proxy that ignores deadlines and departures: everything runs.
+            plain = dataclasses.replace(call, deadline=None)
+            return await deadline.detached(
+                self._admit_and_send(plain, arm, info, klass, send, stream, admit, trace, True)
+            )
+        deadline.check(call.deadline, self.fleet.clock.now(), call.model)
+        work = self._admit_and_send(
+            call, arm, info, klass, send, stream, admit, trace, upstream_cancels
+        )
+        if stream:
+            # A stream's answer has begun once it is sent: its deadline is checked before
+            # dispatch only (a gRPC stream's upstream call carries the client's deadline).
+            return await work
+        return await deadline.before(call.deadline, self.fleet.clock, call.model, work)
+
+    async def _admit_and_send(
+        self,
+        call: Call,
+        arm: Arm,
+        info: ModelInfo | None,
+        klass: str,
+        send: Send[T],
+        stream: bool,
+        admit: bool,
+        trace: _Trace,
+        upstream_cancels: bool,
+    ) -> tuple[Instance, T]:
+        batch = info.max_batch_size if info is not None else 1
+        if arm.admission is None or not admit or info is None:
+            placing = self._placing(call, arm, klass, None, batch)
+            sending = self._send(call, info, None, send, stream, placing, trace)
+            return await _once_sent(sending, upstream_cancels)
+        queued_at = time.perf_counter()
+        # Entered here (a client that leaves while queued leaves the queue at once), left by
+        # whoever finishes the send.
+        held = contextlib.AsyncExitStack()
+        priority = await held.enter_async_context(arm.admission.admit(call.model, info, klass))
+        trace.queue_wait_s = time.perf_counter() - queued_at
+
+        async def dispatched() -> tuple[Instance, T]:
+            async with held:
+                # At the head of its class queue: a request whose deadline passed goes no
+                # further.
+                deadline.check(call.deadline, self.fleet.clock.now(), call.model)
+                placing = self._placing(call, arm, klass, priority, batch)
+                return await self._send(call, info, priority, send, stream, placing, trace)
+
+        return await _once_sent(dispatched(), upstream_cancels)
+
+    def _forward(self, call: Call, info: ModelInfo | None, priority: int | None) -> Forward:
+        """The parameters to set upstream: the class's priority, and what is left of the
+        client's deadline as Triton's ``timeout`` where the model's queue policy honours it."""
+        timeout_us = None
+        if call.deadline is not None and info is not None:
+            level = priority if priority is not None else call.params.priority
+            if info.honours_timeout(level):
+                timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
+                    self.fleet.clock.now()
+                )
+        return Forward(priority, timeout_us)
 
     def _placing(
         self, call: Call, arm: Arm, klass: str, priority: int | None, batch: int
@@ -285,6 +364,7 @@ class Dispatcher:
     async def _send(
         self,
         call: Call,
+        info: ModelInfo | None,
         priority: int | None,
         send: Send[T],
         stream: bool,
@@ -302,7 +382,7 @@ class Dispatcher:
                 alone = not instance.model_in_flight.get(call.model)
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
-                    result = await send(instance, priority)
+                    result = await send(instance, self._forward(call, info, priority))
                     trace.alone = alone and instance.model_in_flight.get(call.model) == 1
                     in_flight = instance.model_in_flight.get(call.model, 0)
                 trace.inside_s = time.perf_counter() - sent_at
@@ -484,6 +564,17 @@ def _answer(answer: T) -> T:
     if isinstance(answer, BaseException):
         raise answer
     return answer
+
+
+async def _once_sent(work: Coroutine[Any, Any, T], upstream_cancels: bool) -> T:
+    """Await a dispatched request. When cancelling cannot stop it upstream (HTTP: Triton does not
+    see a closed connection, server issue #7077), it runs to its end even if the client leaves:
+    it still takes Triton's time, so its gate slot and in-flight token stay counted until
+    Triton answers (measured: releasing them at once let the gate send more work than its
+    limit, and 20 % of Triton's time went to abandoned requests at 2x load)."""
+    if upstream_cancels:
+        return await work
+    return await deadline.detached(work)
 
 
 def _shed_error(model: str, shed: Shed) -> ProxyError:

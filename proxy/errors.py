@@ -25,6 +25,8 @@ class Code(enum.Enum):
     METHOD_NOT_ALLOWED = (405, "UNIMPLEMENTED")
     UNAUTHENTICATED = (401, "UNAUTHENTICATED")
     DEADLINE_EXCEEDED = (504, "DEADLINE_EXCEEDED")
+    CLIENT_DEADLINE = (429, "DEADLINE_EXCEEDED")
+    """The client's own deadline passed before the request was served (not sent to Triton)."""
 
     @property
     def http_status(self) -> int:

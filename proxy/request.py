@@ -44,6 +44,28 @@ def params_from_mapping(params: Mapping[str, Any]) -> InferParams:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Request parameters the proxy sets on the request it forwards (None: left as sent)."""
+
+    priority: int | None = None
+    """The class's Triton priority level."""
+    timeout_us: int | None = None
+    """What is left of the client's deadline, as Triton's ``timeout`` parameter."""
+
+    def parameters(self) -> dict[str, int]:
+        """The parameters to set, by their KServe names."""
+        out: dict[str, int] = {}
+        if self.priority is not None:
+            out["priority"] = self.priority
+        if self.timeout_us is not None:
+            out["timeout"] = self.timeout_us
+        return out
+
+
+NO_FORWARD = Forward()
+
+
 @dataclass(frozen=True)
 class Call:
     """What a frontend learned about one request: enough to place it, nothing more."""

@@ -172,6 +172,7 @@ class Runtime:
             request_timeout_s=config.limits.request_timeout_s,
             on_lost=self.upstreams.reset,
             observer=self.observers,
+            cancel_upstream=config.limits.cancel_upstream,
         )
         self.canary_router: Router | None = None
         self.canary_gates: ModelGates | None = None

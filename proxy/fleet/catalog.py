@@ -28,6 +28,24 @@ class ModelInfo:
     decoupled: bool
     corrid_type: str | None = None
     """Data type of the sequence batcher's ``CONTROL_SEQUENCE_CORRID`` input, if declared."""
+    default_priority_level: int = 0
+    """``dynamic_batching.default_priority_level``: the level of a request without priority."""
+    timeout_override: bool = False
+    """``dynamic_batching.default_queue_policy.allow_timeout_override``."""
+    level_timeout_override: tuple[tuple[int, bool], ...] = ()
+    """``allow_timeout_override`` of each level with its own ``priority_queue_policy``."""
+
+    def honours_timeout(self, priority: int | None) -> bool:
+        """Whether Triton applies a request's ``timeout`` at this priority (None: unset).
+
+        Triton reads ``timeout`` only in the dynamic batcher's queue, and only where that
+        level's queue policy allows overrides; priority 0, unset or above ``priority_levels``
+        means the default level.
+        """
+        level = priority or 0
+        if not 0 < level <= self.priority_levels:
+            level = self.default_priority_level
+        return dict(self.level_timeout_override).get(level, self.timeout_override)
 
     def sequence_id_problem(self, sequence_id: int | str) -> str | None:
         """Why ``sequence_id`` must not reach this model, or None if it may.
@@ -52,9 +70,20 @@ def _corrid_type(config: dict[str, Any]) -> str | None:
     return None
 
 
+def _timeout_overrides(batching: dict[str, Any]) -> tuple[tuple[int, bool], ...]:
+    levels = batching.get("priority_queue_policy") or {}
+    return tuple(
+        sorted(
+            (int(level), bool((policy or {}).get("allow_timeout_override")))
+            for level, policy in levels.items()
+        )
+    )
+
+
 def model_info(config: dict[str, Any]) -> ModelInfo:
     """Pick the fields that matter out of Triton's JSON model config."""
-    batching = config.get("dynamic_batching") or {}
+    dynamic = config.get("dynamic_batching")
+    batching = dynamic or {}
     groups = config.get("instance_group") or []
     policy = config.get("model_transaction_policy") or {}
     return ModelInfo(
@@ -63,6 +92,11 @@ def model_info(config: dict[str, Any]) -> ModelInfo:
         model_instances=sum(int(g.get("count") or 1) for g in groups) or 1,
         decoupled=bool(policy.get("decoupled")),
         corrid_type=_corrid_type(config),
+        default_priority_level=int(batching.get("default_priority_level") or 0),
+        # Without a dynamic batcher no queue policy applies, whatever the config says.
+        timeout_override=dynamic is not None
+        and bool((batching.get("default_queue_policy") or {}).get("allow_timeout_override")),
+        level_timeout_override=_timeout_overrides(batching) if dynamic is not None else (),
     )
 
 

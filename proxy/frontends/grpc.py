@@ -33,10 +33,11 @@ from proxy.frontends.common import (
     shared_memory_call,
 )
 from proxy.frontends.http import HOP_BY_HOP
-from proxy.frontends.kserve_grpc import read_infer, with_parameter
+from proxy.frontends.kserve_grpc import read_infer, with_parameters
 from proxy.frontends.routes import check_model_name
-from proxy.request import Call
+from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
+from proxy.scheduling import deadline
 from proxy.scheduling.cost import check_shapes, cost_of, grpc_shapes
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,13 @@ class GrpcFrontend:
         return _READY if self._rt().ready() else _NOT_READY
 
     # --- inference ------------------------------------------------------------------------
-    def _call(self, rt: Runtime, request: bytes, metadata: list[tuple[str, str | bytes]]) -> Call:
+    def _call(
+        self,
+        rt: Runtime,
+        request: bytes,
+        metadata: list[tuple[str, str | bytes]],
+        time_remaining: float | None,
+    ) -> Call:
         model, params = read_infer(request)
         if not model:
             raise ProxyError(
@@ -206,6 +213,9 @@ class GrpcFrontend:
             params=params,
             session_key=rt.session_key(headers),
             cost=cost_of(shapes),
+            deadline=deadline.client_deadline(
+                rt.clock.now(), grpc_remaining_s=time_remaining, timeout_us=params.timeout_us
+            ),
         )
 
     async def _unary(
@@ -216,10 +226,15 @@ class GrpcFrontend:
         request: bytes,
         metadata: Metadata,
         context: Any,
+        *,
+        client_deadline: bool = True,
     ) -> bytes:
+        """One call upstream; it carries the client's deadline unless ``client_deadline`` is
+        false (``limits.cancel_upstream: false``: abandoned work runs to its end)."""
+        remaining = context.time_remaining() if client_deadline else None
         try:
             return await rt.grpc_upstreams.unary(
-                instance, method_path(method), request, metadata, context.time_remaining()
+                instance, method_path(method), request, metadata, remaining
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _SERVER_TROUBLE:
@@ -231,10 +246,18 @@ class GrpcFrontend:
         metadata = _metadata(context)
         forward = forward_metadata(metadata, rt.private_headers)
 
-        async def send(instance: Instance, priority: int | None) -> bytes:
-            data = _prioritized(request, priority)
+        async def send(instance: Instance, parameters: Forward) -> bytes:
+            data = _with_forward(request, parameters)
             try:
-                return await self._unary(rt, instance, "ModelInfer", data, forward, context)
+                return await self._unary(
+                    rt,
+                    instance,
+                    "ModelInfer",
+                    data,
+                    forward,
+                    context,
+                    client_deadline=rt.dispatcher.cancel_upstream,
+                )
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 absent = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
@@ -243,7 +266,8 @@ class GrpcFrontend:
                 raise
 
         with rt.budget.hold(len(request)):
-            return await rt.dispatcher.run(self._call(rt, request, metadata), send)
+            call = self._call(rt, request, metadata, context.time_remaining())
+            return await rt.dispatcher.run(call, send)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
         """The whole stream stays on the instance chosen for its first request; each message
@@ -256,10 +280,10 @@ class GrpcFrontend:
             rt = self._rt()
             metadata = _metadata(context)
             forward = forward_metadata(metadata, rt.private_headers)
-            call = self._call(rt, first, metadata)
+            call = self._call(rt, first, metadata, context.time_remaining())
             klass = rt.dispatcher.classify(call)
 
-            async def send(instance: Instance, _: int | None) -> None:
+            async def send(instance: Instance, _: Forward) -> None:
                 await self._relay_stream(rt, instance, klass, first, incoming, forward, context)
 
             await rt.dispatcher.run(call, send, stream=True, admit=False)
@@ -397,9 +421,11 @@ class GrpcFrontend:
         return handler
 
 
-def _prioritized(request: bytes, priority: int | None) -> bytes:
-    """The request with the Triton priority of its class, when scheduling assigns one."""
-    return request if priority is None else with_parameter(request, "priority", priority)
+def _with_forward(request: bytes, parameters: Forward) -> bytes:
+    """The request with the parameters the proxy sets (class priority, deadline's timeout)."""
+    if parameters == NO_FORWARD:
+        return request
+    return with_parameters(request, parameters.parameters())
 
 
 class _StreamSlots:
@@ -433,7 +459,7 @@ class _StreamSlots:
                 # Queued before the write: its answer may come before the write returns.
                 entry = (stack, info is not None and info.decoupled)
                 self.pending.append(entry)
-                await self.upstream.write(_prioritized(request, priority))
+                await self.upstream.write(_with_forward(request, Forward(priority)))
         except BaseException as exc:
             if entry is not None and entry in self.pending:
                 self.pending.remove(entry)

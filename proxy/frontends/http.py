@@ -3,7 +3,8 @@
 Every request's raw target is canonicalised and matched against the explicit route table in
 :mod:`proxy.frontends.routes`; the upstream path is built from the match. Inference bodies are
 forwarded byte for byte through the instance's pooled client (decompressed first when the client
-compressed them); the proxy reads only the JSON header, and edits only the class's ``priority``.
+compressed them); the proxy reads only the JSON header, and edits only the class's ``priority``
+and the ``timeout`` left of the client's deadline (KServe ``timeout`` or ``Triton-Timeout-Ms``).
 Read-only routes are relayed to a ready instance, so Triton answers them exactly as it would.
 Credentials (the API-key header, the admin token) and the class header stay at the proxy.
 """
@@ -38,11 +39,12 @@ from proxy.frontends.kserve_http import (
     check_content_encoding,
     json_header,
     read_params,
-    with_parameter,
+    with_parameters,
 )
 from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
-from proxy.request import Call
+from proxy.request import Call, Forward
 from proxy.runtime import Runtime
+from proxy.scheduling import deadline
 from proxy.scheduling.cost import check_shapes, cost_of, http_shapes
 
 log = logging.getLogger(__name__)
@@ -205,21 +207,28 @@ class HttpFrontend:
         shapes = http_shapes(json_header(body, header_length)) if infer else []
         check_shapes(shapes, len(body))
         # aiohttp's headers are case-insensitive already: no lower-cased copy is needed.
+        params = read_params(body, header_length)
         call = Call(
             model=route.model,
             headers=request.headers,
-            params=read_params(body, header_length),
+            params=params,
             session_key=rt.session_key(request.headers),
             cost=cost_of(shapes),
+            deadline=deadline.client_deadline(
+                rt.clock.now(),
+                timeout_us=params.timeout_us,
+                header_s=deadline.parse_timeout_ms(request.headers.get(deadline.TIMEOUT_HEADER)),
+            ),
         )
         stream = route.kind is Kind.GENERATE_STREAM
 
-        async def send(instance: Instance, priority: int | None) -> web.StreamResponse:
+        async def send(instance: Instance, forward: Forward) -> web.StreamResponse:
             data, hdrs = body, headers
-            # Triton's generate extension has no request priority (a "priority" key there is
-            # only a custom parameter): its class order is the proxy's queue alone.
-            if priority is not None and infer:
-                data, length = with_parameter(body, header_length, "priority", priority)
+            # Triton's generate extension has no request priority or timeout (such keys there
+            # are only custom parameters): its class order is the proxy's queue alone.
+            values = forward.parameters()
+            if values and infer:
+                data, length = with_parameters(body, header_length, values)
                 if length is not None:
                     hdrs = headers.copy()
                     hdrs[HEADER_LENGTH] = length
@@ -227,7 +236,15 @@ class HttpFrontend:
                 instance, request, route.upstream_path, data, hdrs, stream=stream, dispatched=True
             )
 
-        return await rt.dispatcher.run(call, send, stream=stream, outcome=lambda r: str(r.status))
+        return await rt.dispatcher.run(
+            call,
+            send,
+            stream=stream,
+            outcome=lambda r: str(r.status),
+            # Triton's HTTP frontend does not notice a closed connection (#7077): once sent,
+            # the request holds its slot and token until Triton answers.
+            upstream_cancels=stream,
+        )
 
     async def _exchange(
         self,

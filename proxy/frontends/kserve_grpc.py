@@ -9,6 +9,7 @@ only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped,
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -120,20 +121,29 @@ def read_infer(data: bytes) -> tuple[str, InferParams]:
     return request.model_name, params_from_mapping(values)
 
 
-def with_parameter(data: bytes, name: str, value: int) -> bytes:
-    """``data`` with request parameter ``name`` set to ``value`` (an ``int64_param``).
+def with_parameters(data: bytes, values: Mapping[str, int]) -> bytes:
+    """``data`` with each request parameter of ``values`` set (as ``int64_param``).
 
-    One encoded ``parameters`` map entry is appended: protobuf parsers merge repeated fields
+    Encoded ``parameters`` map entries are appended: protobuf parsers merge repeated fields
     and keep the last entry of a map key, so the original bytes need no re-serialisation and an
-    existing value of ``name`` is replaced whole. ``int64_param`` is what every Triton version
+    existing value of a name is replaced whole. ``int64_param`` is what every Triton version
     accepts for ``priority`` and ``timeout`` (newer ones also take ``uint64_param``).
     """
-    return data + _parameter_entry(name, value)
+    if not values:
+        return data
+    return data + b"".join(
+        _parameter_entry(name, value) if name == "priority" else _encode_entry(name, value)
+        for name, value in values.items()
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def _parameter_entry(name: str, value: int) -> bytes:
     # A class has one priority: the same few entries are encoded for every request.
+    return _encode_entry(name, value)
+
+
+def _encode_entry(name: str, value: int) -> bytes:
     entry = pb.ModelInferRequest(parameters={name: pb.InferParameter(int64_param=value)})
     encoded: bytes = entry.SerializeToString()
     return encoded

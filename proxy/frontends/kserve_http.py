@@ -6,8 +6,9 @@ Bodies are forwarded untouched, with two exceptions that security needs:
   accepts) arrives decompressed from aiohttp, bounded by the body limit, and is forwarded
   uncompressed: otherwise the proxy could neither read its routing parameters nor enforce the
   class's priority; any other encoding is refused (:func:`check_content_encoding`);
-- when the request's class sets a Triton ``priority``, the JSON header gets that parameter,
-  whatever the client put there. A body whose JSON header cannot be read is then refused with
+- when the request's class sets a Triton ``priority`` (or the proxy hands on what is left of
+  the client's deadline as ``timeout``), the JSON header gets that parameter, whatever the
+  client put there. A body whose JSON header cannot be read is then refused with
   400 rather than passed through with the client's own priority.
 
 Only the JSON header (the whole body, or its first ``Inference-Header-Content-Length`` bytes
@@ -17,6 +18,7 @@ when binary tensors follow) is ever looked at; binary tensor bytes are never tou
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from proxy.errors import Code, ProxyError
 from proxy.request import NO_PARAMS, InferParams, params_from_mapping
@@ -89,7 +91,7 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
     """Parameters from the request, or defaults when the body holds none.
 
     A body whose JSON cannot be parsed yields defaults and is still forwarded (unless a
-    priority must be set, see :func:`with_parameter`): Triton answers with its own error.
+    priority must be set, see :func:`with_parameters`): Triton answers with its own error.
     """
     header = json_header(body, header_length)
     # Most requests carry parameters (tritonclient sends binary_data_output) but none that
@@ -109,17 +111,17 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
 def _unreadable(why: str) -> ProxyError:
     return ProxyError(
         Code.INVALID_ARG,
-        f"triton-proxy could not set the request class's priority: {why}; "
+        f"triton-proxy could not set the request's priority or timeout: {why}; "
         "send a KServe v2 inference request whose JSON header is an object",
     )
 
 
-def with_parameter(
-    body: bytes, header_length: str | None, name: str, value: int
+def with_parameters(
+    body: bytes, header_length: str | None, values: Mapping[str, int]
 ) -> tuple[bytes, str | None]:
-    """Set one top-level request parameter; returns the new body and header length.
+    """Set top-level request parameters in one rewrite; returns the new body and header length.
 
-    Whatever the client sent for ``name`` is replaced. When the JSON header cannot spell a
+    Whatever the client sent for each name is replaced. When the JSON header cannot spell a
     ``parameters`` key (neither the literal key nor any ``\\u`` escape occurs in it), the object
     is spliced in after the opening brace, so a large JSON body is not re-serialised. Otherwise
     the header is parsed and re-written whole: duplicate keys collapse to the one the proxy set,
@@ -135,7 +137,8 @@ def with_parameter(
             raise _unreadable("the JSON header is not an object")
         rest = header[start + 1 :].lstrip()
         sep = b"" if rest.startswith(b"}") else b","
-        insert = b'"parameters":{"%s":%d}%s' % (name.encode(), value, sep)
+        entries = b",".join(b'"%s":%d' % (n.encode(), v) for n, v in values.items())
+        insert = b'"parameters":{%s}%s' % (entries, sep)
         new_header = header[: start + 1] + insert + rest
     else:
         try:
@@ -149,7 +152,7 @@ def with_parameter(
             params = doc["parameters"] = {}
         if not isinstance(params, dict):
             raise _unreadable("'parameters' is not an object")
-        params[name] = value
+        params.update(values)
         new_header = json.dumps(doc, separators=(",", ":")).encode()
     new_length = str(len(new_header)) if header_length is not None else None
     return new_header + tail, new_length

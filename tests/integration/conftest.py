@@ -20,7 +20,7 @@ from proxy.local import (
 )
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-MODELS = ("simple", "text_encoder", "accel_sim", "text_generator", "accumulator")
+MODELS = ("simple", "text_encoder", "accel_sim", "text_generator", "accumulator", "sleeper")
 FLEET_SIZE = 3
 START_TIMEOUT_S = 240
 

@@ -28,6 +28,8 @@ class FakeTriton:
     drop_next: int = 0
     """Close this many next infer connections without answering a byte."""
     infers: int = 0
+    bodies: list[bytes] = field(default_factory=list)
+    """Every infer body received, in order."""
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -67,6 +69,7 @@ class FakeTriton:
     async def _infer(self, request: web.Request) -> web.StreamResponse:
         model = request.match_info["model"]
         body = await request.read()
+        self.bodies.append(body)
         if self.drop_next > 0:
             self.drop_next -= 1
             assert request.transport is not None

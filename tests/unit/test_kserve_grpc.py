@@ -8,7 +8,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from proxy.frontends.grpc import SERVICE, GrpcFrontend
-from proxy.frontends.kserve_grpc import read_infer, routing_fields, with_parameter
+from proxy.frontends.kserve_grpc import read_infer, routing_fields, with_parameters
 from proxy.request import NO_PARAMS, InferParams
 
 
@@ -75,10 +75,13 @@ def test_unreadable_request_still_routes(data: bytes) -> None:
         {"sequence_id": ("int64_param", 5), "priority": ("int64_param", 3)},
     ],
 )
-def test_with_parameter_sets_value_and_keeps_the_rest(params: dict[str, tuple[str, Any]]) -> None:
+def test_with_parameters_sets_values_and_keeps_the_rest(
+    params: dict[str, tuple[str, Any]],
+) -> None:
     original = request(**params)
     data = original.SerializeToString()
-    edited = with_parameter(data, "priority", 2)
+    assert with_parameters(data, {}) == data
+    edited = with_parameters(data, {"priority": 2, "timeout": 1500})
     # The original bytes are untouched: one map entry is appended.
     assert edited.startswith(data)
     parsed = pb.ModelInferRequest.FromString(edited)
@@ -87,8 +90,10 @@ def test_with_parameter_sets_value_and_keeps_the_rest(params: dict[str, tuple[st
     expected = pb.ModelInferRequest()
     expected.CopyFrom(original)
     expected.parameters["priority"].CopyFrom(pb.InferParameter(int64_param=2))
+    expected.parameters["timeout"].CopyFrom(pb.InferParameter(int64_param=1500))
     assert parsed == expected
     assert read_infer(edited)[1].priority == 2
+    assert read_infer(edited)[1].timeout_us == 1500
 
 
 def test_frontend_serves_every_method_of_the_service() -> None:

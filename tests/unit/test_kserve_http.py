@@ -7,7 +7,7 @@ from proxy.frontends.kserve_http import (
     check_content_encoding,
     json_header,
     read_params,
-    with_parameter,
+    with_parameters,
 )
 from proxy.request import InferParams
 
@@ -63,15 +63,16 @@ def test_bad_header_length_is_refused_as_triton_would(length: str) -> None:
         {},
         {"parameters": {"sequence_id": 5}, "inputs": []},
         {"parameters": {"priority": 1}, "inputs": []},
+        {"parameters": {"priority": 1, "timeout": 5}, "inputs": []},
     ],
 )
-def test_with_parameter_keeps_everything_else(header: dict[str, object]) -> None:
+def test_with_parameters_keeps_everything_else(header: dict[str, object]) -> None:
     for binary in (False, True):
         if binary:
             body, length = binary_body(header)
         else:
             body, length = json.dumps(header).encode(), None
-        new_body, new_length = with_parameter(body, length, "priority", 2)
+        new_body, new_length = with_parameters(body, length, {"priority": 2, "timeout": 700})
         if binary:
             assert new_length is not None
             n = int(new_length)
@@ -81,7 +82,7 @@ def test_with_parameter_keeps_everything_else(header: dict[str, object]) -> None
             assert new_length is None
             doc = json.loads(new_body)
         expected = json.loads(json.dumps(header))
-        expected.setdefault("parameters", {})["priority"] = 2
+        expected.setdefault("parameters", {}).update(priority=2, timeout=700)
         assert doc == expected
 
 
@@ -110,7 +111,7 @@ def _keys(raw: bytes, name: str) -> list[object]:
     ],
 )
 def test_the_class_priority_wins_over_any_spelling(header: bytes) -> None:
-    new_body, _ = with_parameter(header, None, "priority", 3)
+    new_body, _ = with_parameters(header, None, {"priority": 3})
     params = _keys(new_body, "parameters")
     top = [p for p in params if isinstance(p, dict) and "binary_data_size" not in p]
     assert top == [{"priority": 3}] or (len(top) == 1 and top[0]["priority"] == 3)  # type: ignore[index]
@@ -122,7 +123,7 @@ def test_the_class_priority_wins_over_any_spelling(header: bytes) -> None:
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b'{"parameters": {', b"garbage {"])
 def test_a_body_that_cannot_carry_the_priority_is_refused(body: bytes) -> None:
     with pytest.raises(ProxyError) as info:
-        with_parameter(body, None, "priority", 1)
+        with_parameters(body, None, {"priority": 1})
     assert info.value.code is Code.INVALID_ARG
 
 
