@@ -112,7 +112,7 @@ async def running_in_triton(p: ProxyThread, count: int = 1) -> None:
 def proxy_results(p: ProxyThread, result: str) -> float:
     value = p.runtime.telemetry.registry.get_sample_value(
         "triton_proxy_requests_total",
-        {"model": MODEL, "class": "default", "instance": "-", "outcome": result},
+        {"model": MODEL, "class": "default", "instance": "-", "outcome": result, "arm": "main"},
     )
     return value or 0.0
 
