@@ -49,6 +49,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
             assert not any(leaked.values()), f"processes left: {leaked}"
 
 
+STAMP_SLACK_S = 0.1
+
+
 def triton_config(server: TritonServer) -> dict[str, Any]:
     with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
         config = c.get_model_config(MODEL)
@@ -177,10 +180,15 @@ def test_window_change_under_traffic_is_drained(fleet: LocalFleet) -> None:
             # No request of the model was on an instance while that instance reloaded.
             assert len(reloads.spans) == 2
             for name, began, ended in reloads.spans:
+                # A record is stamped after its in-flight token is released (the drain waits
+                # on the token), so one that finished just before the reload began may carry
+                # a stamp a few milliseconds after it: STAMP_SLACK_S allows for that.
                 overlapping = [
                     r
                     for r in recorder.records
-                    if r.instance == name and r.at - r.latency_s < ended and r.at > began
+                    if r.instance == name
+                    and r.at - r.latency_s < ended
+                    and r.at > began + STAMP_SLACK_S
                 ]
                 assert not overlapping, f"{len(overlapping)} requests ran on {name} during reload"
             # Figures, not assertions (timings vary with the machine): the largest latency

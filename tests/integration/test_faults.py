@@ -218,7 +218,7 @@ def test_sigstop_one_of_three_under_load(triton_fleet: Any) -> None:
                 wait_for(lambda: len(outcomes) >= n + 100, 60, "traffic after the ejection")
             _signal_group(victim.pid, signal.SIGCONT)
             stopped = False
-            wait_for(lambda: fleet.get(victim.name).healthy, 30, "instance rejoined after SIGCONT")
+            wait_for(lambda: fleet.get(victim.name).healthy, 60, "instance rejoined after SIGCONT")
             # Serving again: requests it answers (200) through the proxy. A resumed server may
             # still be working off its backlog, so its first requests may time out (504).
             before = ok_answers(proxy, victim.name)

@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from proxy.local import LocalFleet, TritonServer, group_members
+from tests.integration.conftest import MODELS
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +61,7 @@ def test_numeric_tensors_cross_triton_through_dlpack() -> None:
     """Triton's python backend stub misreads numpy 2 arrays (model_repository/README.md), so
     numeric tensors go through DLPack; only text_generator's BYTES tensors may use numpy."""
     models = sorted(MODEL_REPOSITORY.glob("*/1/model.py"))
-    assert len(models) == 5
+    assert len(models) == len(MODELS)
     for model in models:
         source = model.read_text()
         assert "to_dlpack()" in source and "Tensor.from_dlpack(" in source, model
