@@ -201,10 +201,7 @@ class GrpcFrontend:
                 "triton-proxy could not parse the ModelInferRequest, or it names no model",
             )
         check_model_name(model)
-        try:
-            shapes = grpc_shapes(request)
-        except (ValueError, IndexError):
-            shapes = []  # routing fields parsed, so Triton gets it and says what is wrong
+        shapes = grpc_shapes(request)
         check_shapes(shapes, len(request))
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
@@ -449,8 +446,7 @@ class _StreamSlots:
         stack = contextlib.AsyncExitStack()
         entry: tuple[contextlib.AsyncExitStack, bool] | None = None
         try:
-            with contextlib.suppress(ValueError, IndexError):
-                check_shapes(grpc_shapes(request), len(request))
+            check_shapes(grpc_shapes(request), len(request))
             with self.rt.budget.hold(len(request)):
                 priority = await stack.enter_async_context(
                     self.rt.dispatcher.admitted(model, self.klass)

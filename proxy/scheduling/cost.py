@@ -60,28 +60,19 @@ def http_shapes(json_header: bytes) -> list[list[int]]:
 
 def grpc_shapes(request: bytes) -> list[list[int]]:
     """The input shapes of a serialized ``ModelInferRequest`` (packed or not); tensor bytes
-    are skipped. Raises ``ValueError`` (or ``IndexError``) on a malformed message."""
-    return [
-        [
-            d
-            for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
-            for d in packed_varints(value)
-        ]
-        for tensor in nested_fields(request, _INPUTS)
-    ]
-
-
-def http_cost(json_header: bytes) -> float:
-    """Cost from the ``shape`` arrays of an HTTP JSON header (1 when none is readable)."""
-    return cost_of(http_shapes(json_header))
-
-
-def grpc_cost(request: bytes) -> float:
-    """Cost from a serialized ``ModelInferRequest``'s input shapes (1 when unreadable)."""
+    are skipped. A message whose inputs cannot be walked has none that the proxy can read
+    (``[]``): Triton then parses it and says what is wrong."""
     try:
-        return cost_of(grpc_shapes(request))
+        return [
+            [
+                d
+                for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
+                for d in packed_varints(value)
+            ]
+            for tensor in nested_fields(request, _INPUTS)
+        ]
     except (ValueError, IndexError):
-        return 1.0
+        return []
 
 
 def check_shapes(shapes: list[list[int]], nbytes: int) -> None:

@@ -7,7 +7,14 @@ import json
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from proxy.scheduling.cost import CostModel, CostOverride, grpc_cost, http_cost, shape_cost
+from proxy.scheduling.cost import (
+    CostModel,
+    CostOverride,
+    cost_of,
+    grpc_shapes,
+    http_shapes,
+    shape_cost,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,9 +34,9 @@ def test_http_cost_reads_every_input_shape_and_ignores_strings() -> None:
             {"name": "B", "shape": [2, 8], "datatype": "BYTES", "data": ['"shape": [9, 9999]']},
         ]
     }
-    assert http_cost(json.dumps(header).encode()) == 128
-    assert http_cost(b"{}") == 1.0
-    assert http_cost(b"not json at all") == 1.0
+    assert cost_of(http_shapes(json.dumps(header).encode())) == 128
+    assert cost_of(http_shapes(b"{}")) == 1.0
+    assert cost_of(http_shapes(b"not json at all")) == 1.0
 
 
 def test_grpc_cost_walks_input_shapes_without_reading_tensor_bytes() -> None:
@@ -42,9 +49,10 @@ def test_grpc_cost_walks_input_shapes_without_reading_tensor_bytes() -> None:
     b.shape.extend([4, 8])
     request.raw_input_contents.append(b"\x00" * 4096)
     data = request.SerializeToString()
-    assert grpc_cost(data) == 2048
-    assert grpc_cost(data[:-10]) == 1.0  # truncated: unknown, not an error
-    assert grpc_cost(b"\xff\xff\xff") == 1.0
+    assert cost_of(grpc_shapes(data)) == 2048
+    assert grpc_shapes(data[:-10]) == []  # truncated: unknown, not an error
+    assert grpc_shapes(b"\xff\xff\xff") == []
+    assert cost_of([]) == 1.0
 
 
 def test_long_requests_are_several_times_the_models_typical_cost() -> None:
@@ -82,7 +90,7 @@ def test_a_full_batch_pads_to_the_typical_request() -> None:
 
 def test_shapes_no_request_could_carry_are_refused() -> None:
     from proxy.errors import Code, ProxyError
-    from proxy.scheduling.cost import check_shapes, grpc_shapes, http_shapes
+    from proxy.scheduling.cost import check_shapes
 
     header = b'{"inputs":[{"name":"A","shape":[1,16],"datatype":"INT32","data":[0]}]}'
     check_shapes(http_shapes(header), 64)  # 16 elements in a 64-byte request: possible
