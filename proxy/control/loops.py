@@ -37,6 +37,8 @@ log = logging.getLogger("proxy.control")
 
 MISS_FACTOR = 10.0
 """A shed or failed request of an SLO class is recorded as this many times its SLO."""
+OFF_REASONS = ("refused", "no_dynamic_batching")
+"""Why the batching-window loop gives up on a model (``triton_proxy_control_off_total``)."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,7 @@ class ControlLoops:
             return
         current = self.window_target.get(model)
         if current is None:
+            self._export_zero_failures(model)
             current = await self._read_window(model)
             if current is None:
                 return
@@ -363,6 +366,14 @@ class ControlLoops:
             log.error("batching window change of %s failed: %s", model, exc)
         finally:
             self._applying.pop(model, None)
+
+    def _export_zero_failures(self, model: str) -> None:
+        """Failure counters of a model the loop looks after exist from the start, at 0, as
+        Prometheus advises for labels known in advance: a panel or alert on them then shows 0
+        rather than no data, and ``increase()`` sees their first failure."""
+        self.telemetry.control_apply_failures.labels("batching", model)
+        for reason in OFF_REASONS:
+            self.telemetry.control_off.labels("batching", model, reason)
 
     def _turn_off(self, model: str, reason: str, why: str) -> None:
         if model in self._off:
