@@ -314,7 +314,9 @@ class Dispatcher:
         # Entered here (a client that leaves while queued leaves the queue at once), left by
         # whoever finishes the send.
         held = contextlib.AsyncExitStack()
-        priority = await held.enter_async_context(arm.admission.admit(call.model, info, klass))
+        priority = await held.enter_async_context(
+            arm.admission.admit(call.model, info, klass, call.deadline)
+        )
         trace.queue_wait_s = time.perf_counter() - queued_at
 
         async def dispatched() -> tuple[Instance, T]:

@@ -1,11 +1,13 @@
 """Deadline admission for latency classes: shed now what would be served after its SLO.
 
-A request of a class with ``slo_p99_ms`` has a budget of that long from its arrival. Serving it
+A request has a budget from its arrival: its class's ``slo_p99_ms``, or its client's deadline
+when that is earlier (one deadline per request: :class:`proxy.scheduling.deadline.Budget`,
+computed by the gate). Serving it
 after the budget spends capacity on an answer that already missed its objective, while the
 requests behind it wait longer still; shedding it at once (429 + ``Retry-After``, gRPC
 ``RESOURCE_EXHAUSTED``) lets its client retry elsewhere or degrade, and keeps the rest on time.
-Classes without a latency SLO (throughput classes) are never shed for latency, only by their
-quotas and queue limits.
+Classes without a latency SLO (throughput classes) are never shed for a latency target, only by
+their quotas and queue limits, and for a client deadline their request carries.
 
 **Prediction** (per model gate), at arrival::
 
@@ -14,11 +16,11 @@ quotas and queue limits.
 ``ahead`` counts requests queued in the same or more important classes (they leave first),
 ``dispatch_rate`` is the gate's dispatches per second over the last ``window_s`` and
 ``inside(class)`` an exponentially weighted mean of the class's time inside Triton. The
-request is shed when ``predicted > slo``. Before ``min_dispatches`` dispatches in the window
+request is shed when ``predicted > budget``. Before ``min_dispatches`` dispatches in the window
 (a cold or idle gate) nothing is predicted and nothing shed. At dispatch, a request that has
-already waited ``slo - inside(class)`` is shed instead of sent: it would be answered late.
+already waited ``budget - inside(class)`` is shed instead of sent: it would be answered late.
 
-Only waiting is ever blamed: when ``inside(class)`` alone exceeds the SLO (the model is slower
+Only waiting is ever blamed: when ``inside(class)`` alone exceeds the budget (the model is slower
 than the objective, whatever the queue), nothing is shed, since shedding could not help.
 
 Pure: no clock of its own, every call takes ``now``.
@@ -64,18 +66,18 @@ class LatenessPredictor:
             return None
         return ahead / rate + self.inside(class_name)
 
-    def shed_at_arrival(self, ahead: int, class_name: str, slo_s: float, now: float) -> bool:
+    def shed_at_arrival(self, ahead: int, class_name: str, budget_s: float, now: float) -> bool:
         """Whether a request arriving with ``ahead`` queued before it should be shed now."""
-        if self.inside(class_name) >= slo_s:
+        if self.inside(class_name) >= budget_s:
             return False
         predicted = self.predicted_s(ahead, class_name, now)
-        return predicted is not None and predicted > slo_s
+        return predicted is not None and predicted > budget_s
 
-    def late(self, waited_s: float, class_name: str, slo_s: float) -> bool:
-        """Whether a request that waited ``waited_s`` would be answered after ``slo_s``
+    def late(self, waited_s: float, class_name: str, budget_s: float) -> bool:
+        """Whether a request that waited ``waited_s`` would be answered after ``budget_s``
         because of that wait."""
         inside = self.inside(class_name)
-        return inside < slo_s < waited_s + inside
+        return inside < budget_s < waited_s + inside
 
     def _trim(self, now: float) -> None:
         horizon = now - self.window_s

@@ -180,10 +180,13 @@ class ModelGates:
             )
         return gate
 
-    def admit(self, model: str, info: ModelInfo, class_name: str) -> ModelAdmission:
-        """``async with``: wait for a slot; gives the Triton priority to set (or None)."""
+    def admit(
+        self, model: str, info: ModelInfo, class_name: str, deadline: float | None = None
+    ) -> ModelAdmission:
+        """``async with``: wait for a slot; gives the Triton priority to set (or None).
+        ``deadline``: the client's, if any (:meth:`Gate.admit`)."""
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
-        return ModelAdmission(self.gate(model, info).admit(class_name), priority)
+        return ModelAdmission(self.gate(model, info).admit(class_name, deadline), priority)
 
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""

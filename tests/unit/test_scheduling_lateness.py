@@ -105,3 +105,100 @@ def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
     assert not p.late(10.0, "rt", 0.1)
     p.observe_inside("fast", 0.01)
     assert p.late(0.2, "fast", 0.1)
+
+
+async def _queue_one_ahead(gate: Gate, hold: asyncio.Event) -> list[asyncio.Task[None]]:
+    """The only slot taken and one ``rt`` request queued: 1/10 s of waiting predicted."""
+
+    async def occupy() -> None:
+        async with gate.admit("rt"):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(occupy()), asyncio.create_task(occupy())]
+    await asyncio.sleep(0)
+    return tasks
+
+
+def _busy(gate: Gate, clock: FakeClock, inside_s: float = 0.02) -> None:
+    """Ten dispatches in the last second (10 req/s); ``inside_s`` in Triton for every class."""
+    assert gate.lateness is not None
+    for i in range(10):
+        gate.lateness.on_dispatch(i * 0.1)
+    gate.lateness.observe_inside("rt", inside_s)
+    gate.lateness.observe_inside("off", inside_s)
+    clock.t = 0.95
+
+
+@pytest.mark.timeout(10)
+async def test_a_client_deadline_is_the_budget_of_a_class_without_an_slo() -> None:
+    """One deadline per request: a throughput class is never shed for a latency target, but
+    a request that says when its client stops waiting is shed when predicted past that."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1)
+    _busy(gate, clock)
+    hold = asyncio.Event()
+    tasks = await _queue_one_ahead(gate, hold)
+    with pytest.raises(Shed) as info:  # 1/10 s + 20 ms predicted > 50 ms left
+        async with gate.admit("off", deadline=clock.now() + 0.05):
+            pass
+    assert info.value.reason is ShedReason.LATE
+    waiting = asyncio.create_task(gate.admit("off", deadline=clock.now() + 5.0).__aenter__())
+    await asyncio.sleep(0)
+    assert gate.queued("off") == 1  # 5 s is time enough: it waits
+    hold.set()
+    gate.close()
+    await asyncio.gather(*tasks, waiting, return_exceptions=True)
+    assert observer.sheds.count(("off", ShedReason.LATE)) == 1
+
+
+@pytest.mark.timeout(10)
+async def test_the_earlier_of_client_deadline_and_class_slo_binds() -> None:
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1)
+    _busy(gate, clock, inside_s=0.001)
+    hold = asyncio.Event()
+    tasks = await _queue_one_ahead(gate, hold)
+    # One queued ahead: 1/11 s + 1 ms = 92 ms predicted. Within the 100 ms SLO, past a 50 ms
+    # client deadline.
+    with pytest.raises(Shed):
+        async with gate.admit("rt", deadline=clock.now() + 0.05):
+            pass
+    waiting = asyncio.create_task(gate.admit("rt", deadline=clock.now() + 0.095).__aenter__())
+    await asyncio.sleep(0)
+    assert gate.queued("rt") == 2  # 95 ms is enough
+    # A client deadline later than the SLO does not lengthen the class's budget.
+    with pytest.raises(Shed):  # two ahead now: 2/11 s + 1 ms > 100 ms
+        async with gate.admit("rt", deadline=clock.now() + 60.0):
+            pass
+    hold.set()
+    gate.close()
+    await asyncio.gather(*tasks, waiting, return_exceptions=True)
+
+
+@pytest.mark.timeout(10)
+async def test_a_request_past_its_client_deadline_budget_at_the_head_is_not_dispatched() -> None:
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1)
+    assert gate.lateness is not None
+    gate.lateness.observe_inside("off", 0.03)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    late = asyncio.create_task(gate.admit("off", deadline=clock.now() + 0.1).__aenter__())
+    free = asyncio.create_task(gate.admit("off").__aenter__())  # no budget: never late
+    await asyncio.sleep(0)
+    clock.advance(0.08)  # 80 ms waited + 30 ms inside > its 100 ms
+    release.set()
+    await holder
+    with pytest.raises(Shed) as info:
+        await late
+    assert info.value.reason is ShedReason.LATE
+    ticket = await free
+    assert ticket.class_name == "off"
+    ticket.release()
+    gate.close()
