@@ -72,31 +72,6 @@ async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_ne
     assert ("rt", ShedReason.LATE) in observer.sheds
 
 
-async def test_a_request_that_already_waited_past_its_slo_is_not_dispatched() -> None:
-    clock = FakeClock()
-    gate, _ = make_gate(clock, capacity=1)
-    assert gate.lateness is not None
-    gate.lateness.observe_inside("rt", 0.03)
-    release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.admit("rt"):
-            await release.wait()
-
-    holder = asyncio.create_task(first())
-    await asyncio.sleep(0)
-    waiter = asyncio.create_task(gate.admit("rt").__aenter__())
-    await asyncio.sleep(0)
-    clock.advance(0.08)  # 80 ms waited + 30 ms inside > 100 ms
-    release.set()
-    await holder
-    with pytest.raises(Shed) as info:
-        await waiter
-    assert info.value.reason is ShedReason.LATE
-    assert gate.in_flight() == 0  # its slot went back
-    gate.close()
-
-
 def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
     p = LatenessPredictor(window_s=1.0, min_dispatches=1)
     p.on_dispatch(0.0)
@@ -176,11 +151,19 @@ async def test_the_earlier_of_client_deadline_and_class_slo_binds() -> None:
 
 
 @pytest.mark.timeout(10)
-async def test_a_request_past_its_client_deadline_budget_at_the_head_is_not_dispatched() -> None:
+@pytest.mark.parametrize(
+    ("klass", "client_deadline_s"),
+    [("rt", None), ("off", 0.1)],
+    ids=["class SLO", "client deadline"],
+)
+async def test_a_request_that_waited_past_its_budget_is_not_dispatched(
+    klass: str, client_deadline_s: float | None
+) -> None:
+    """100 ms of budget either way: rt's SLO, or the client deadline of a class without one."""
     clock = FakeClock()
     gate, _ = make_gate(clock, capacity=1)
     assert gate.lateness is not None
-    gate.lateness.observe_inside("off", 0.03)
+    gate.lateness.observe_inside(klass, 0.03)
     release = asyncio.Event()
 
     async def first() -> None:
@@ -189,7 +172,8 @@ async def test_a_request_past_its_client_deadline_budget_at_the_head_is_not_disp
 
     holder = asyncio.create_task(first())
     await asyncio.sleep(0)
-    late = asyncio.create_task(gate.admit("off", deadline=clock.now() + 0.1).__aenter__())
+    deadline = None if client_deadline_s is None else clock.now() + client_deadline_s
+    late = asyncio.create_task(gate.admit(klass, deadline=deadline).__aenter__())
     free = asyncio.create_task(gate.admit("off").__aenter__())  # no budget: never late
     await asyncio.sleep(0)
     clock.advance(0.08)  # 80 ms waited + 30 ms inside > its 100 ms
@@ -198,7 +182,8 @@ async def test_a_request_past_its_client_deadline_budget_at_the_head_is_not_disp
     with pytest.raises(Shed) as info:
         await late
     assert info.value.reason is ShedReason.LATE
-    ticket = await free
+    ticket = await free  # the late one's slot went to the next
     assert ticket.class_name == "off"
     ticket.release()
+    assert gate.in_flight() == 0
     gate.close()
