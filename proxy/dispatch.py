@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from proxy.canary import CANARY, MAIN, Splitter
 from proxy.errors import Code, ProxyError
@@ -102,6 +102,21 @@ class RetryGate(Protocol):
     def record_request(self) -> None: ...
 
     def try_retry(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Request(Generic[T]):
+    """One request on its way through :meth:`Dispatcher.run`: the call, where it goes and how it
+    is sent (``run``'s arguments: see there)."""
+
+    call: Call
+    arm: Arm
+    info: ModelInfo | None
+    klass: str
+    send: Send[T]
+    stream: bool
+    admit: bool
+    upstream_cancels: bool
 
 
 class _Trace:
@@ -231,9 +246,8 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            instance, result = await self._serve(
-                call, arm, info, klass, send, stream, admit, trace, upstream_cancels
-            )
+            request = _Request(call, arm, info, klass, send, stream, admit, upstream_cancels)
+            instance, result = await self._serve(request, trace)
             instance_name = instance.name
             result_label = outcome(result)
             return result
@@ -264,58 +278,34 @@ class Dispatcher:
                     )
                 )
 
-    async def _serve(
-        self,
-        call: Call,
-        arm: Arm,
-        info: ModelInfo | None,
-        klass: str,
-        send: Send[T],
-        stream: bool,
-        admit: bool,
-        trace: _Trace,
-        upstream_cancels: bool,
-    ) -> tuple[Instance, T]:
+    async def _serve(self, r: _Request[T], trace: _Trace) -> tuple[Instance, T]:
         """Admission and sending, within the client's deadline (docs/cancellation.md)."""
+        call = r.call
         if not self.cancel_upstream:
             # As behind a proxy that ignores deadlines and departures: everything runs.
-            plain = dataclasses.replace(call, deadline=None)
-            return await deadline.detached(
-                self._admit_and_send(plain, arm, info, klass, send, stream, admit, trace, True)
+            plain = dataclasses.replace(
+                r, call=dataclasses.replace(call, deadline=None), upstream_cancels=True
             )
+            return await deadline.detached(self._admit_and_send(plain, trace))
         deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-        work = self._admit_and_send(
-            call, arm, info, klass, send, stream, admit, trace, upstream_cancels
-        )
-        if stream:
+        work = self._admit_and_send(r, trace)
+        if r.stream:
             # A stream's answer has begun once it is sent: its deadline is checked before
             # dispatch only (a gRPC stream's upstream call carries the client's deadline).
             return await work
         return await deadline.before(call.deadline, self.fleet.clock, call.model, work)
 
-    async def _admit_and_send(
-        self,
-        call: Call,
-        arm: Arm,
-        info: ModelInfo | None,
-        klass: str,
-        send: Send[T],
-        stream: bool,
-        admit: bool,
-        trace: _Trace,
-        upstream_cancels: bool,
-    ) -> tuple[Instance, T]:
-        batch = info.max_batch_size if info is not None else 1
-        if arm.admission is None or not admit or info is None:
-            placing = self._placing(call, arm, klass, None, batch)
-            sending = self._send(call, info, None, send, stream, placing, trace)
-            return await _once_sent(sending, upstream_cancels)
+    async def _admit_and_send(self, r: _Request[T], trace: _Trace) -> tuple[Instance, T]:
+        call, admission = r.call, r.arm.admission
+        if admission is None or not r.admit or r.info is None:
+            sending = self._send(r, None, self._placing(r, None), trace)
+            return await _once_sent(sending, r.upstream_cancels)
         queued_at = time.perf_counter()
         # Entered here (a client that leaves while queued leaves the queue at once), left by
         # whoever finishes the send.
         held = contextlib.AsyncExitStack()
         priority = await held.enter_async_context(
-            arm.admission.admit(call.model, info, klass, call.deadline)
+            admission.admit(call.model, r.info, r.klass, call.deadline)
         )
         trace.queue_wait_s = time.perf_counter() - queued_at
 
@@ -324,10 +314,9 @@ class Dispatcher:
                 # At the head of its class queue: a request whose deadline passed goes no
                 # further.
                 deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-                placing = self._placing(call, arm, klass, priority, batch)
-                return await self._send(call, info, priority, send, stream, placing, trace)
+                return await self._send(r, priority, self._placing(r, priority), trace)
 
-        return await _once_sent(dispatched(), upstream_cancels)
+        return await _once_sent(dispatched(), r.upstream_cancels)
 
     def _forward(self, call: Call, info: ModelInfo | None, priority: int | None) -> Forward:
         """The parameters to set upstream: the class's priority, and what is left of the
@@ -341,10 +330,10 @@ class Dispatcher:
                 )
         return Forward(priority, timeout_us)
 
-    def _placing(
-        self, call: Call, arm: Arm, klass: str, priority: int | None, batch: int
-    ) -> Placing:
+    def _placing(self, r: _Request[T], priority: int | None) -> Placing:
         """What placement needs to know about the request, and how to count it in flight."""
+        call, arm, klass = r.call, r.arm, r.klass
+        batch = r.info.max_batch_size if r.info is not None else 1
         cap = None
         if arm.admission is not None:
             cls = arm.admission.config.classes.get(klass)
@@ -364,15 +353,9 @@ class Dispatcher:
         return Placing(request, Work(class_name=klass, level=level, long=long), arm.placement)
 
     async def _send(
-        self,
-        call: Call,
-        info: ModelInfo | None,
-        priority: int | None,
-        send: Send[T],
-        stream: bool,
-        placing: Placing,
-        trace: _Trace,
+        self, r: _Request[T], priority: int | None, placing: Placing, trace: _Trace
     ) -> tuple[Instance, T]:
+        call, stream = r.call, r.stream
         tried: set[str] = set()
         self.retries.record_request()
         request, work = placing.request, placing.work
@@ -384,7 +367,7 @@ class Dispatcher:
                 alone = not instance.model_in_flight.get(call.model)
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
-                    result = await send(instance, self._forward(call, info, priority))
+                    result = await r.send(instance, self._forward(call, r.info, priority))
                     trace.alone = alone and instance.model_in_flight.get(call.model) == 1
                     in_flight = instance.model_in_flight.get(call.model, 0)
                 trace.inside_s = time.perf_counter() - sent_at
@@ -586,7 +569,8 @@ def _shed_error(model: str, shed: Shed) -> ProxyError:
         ShedReason.QUEUE_FULL: "its class queue is full",
         ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
         ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
-        ShedReason.LATE: "it would be answered after its class's slo_p99_ms",
+        ShedReason.LATE: "it would be answered after its deadline (its class's slo_p99_ms, or "
+        "the client's deadline when earlier)",
     }.get(shed.reason, shed.reason.value)
     return ProxyError(
         Code.RESOURCE_EXHAUSTED,
