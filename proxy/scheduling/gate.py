@@ -163,8 +163,12 @@ class Gate:
         self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
         self._capacity = capacity
         self._instances = instances
-        self.lateness = lateness
-        """Deadline admission for classes with an SLO (``scheduling.shed_late``); None: off."""
+        self.lateness = lateness if lateness is not None else LatenessPredictor()
+        """Predicts when a request would be answered. With ``scheduling.shed_late`` it sheds
+        at arrival, and at the head of the queue, what would be answered after its budget
+        (the class SLO or the client's deadline, whichever is earlier); without, only a request
+        whose *client deadline* would pass before its answer is shed at the head of the queue
+        (its client will have gone: serving it would be abandoned work)."""
         self._clock = clock
         self._observer = observer if observer is not None else GateObserver()
         self._order = 0
@@ -226,14 +230,16 @@ class Gate:
             self._observer.on_shed(name, ShedReason.SHUTDOWN)
             raise Shed(ShedReason.SHUTDOWN, config.retry_after_s, name)
         now = self._clock.now()
-        budget_s = self._budget_s(name, client_deadline, now)
-        if self.lateness is not None and budget_s is not None and budget_s > 0:
+        budget = self._budget(name, client_deadline, now)
+        budget_s = budget.remaining_s(now)
+        if config.shed_late and budget_s is not None and budget_s > 0:
             ahead = self._core.queued_ahead(name)
             if self.lateness.shed_at_arrival(ahead, name, budget_s, now):
                 self._observer.on_shed(name, ShedReason.LATE)
                 raise Shed(ShedReason.LATE, config.retry_after_s, name)
+        held_to = budget_s if config.shed_late or budget.hard else None
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        result = self._core.push(future, name, now, budget_s)
+        result = self._core.push(future, name, now, held_to)
         for victim in result.evicted:
             self._fail(victim, ShedReason.OVERLOAD)
         if result.entry is None:
@@ -303,8 +309,7 @@ class Gate:
                         continue
                     ticket = Ticket(self, entry.class_name, waited, self._order)
                     self._order += 1
-                    if self.lateness is not None:
-                        self.lateness.on_dispatch(now)
+                    self.lateness.on_dispatch(now)
                     future.set_result(ticket)
                     self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
                 again = self._pump_again
@@ -312,15 +317,14 @@ class Gate:
         finally:
             self._pumping = False
 
-    def _budget_s(self, name: str, client_deadline: float | None, now: float) -> float | None:
-        """Seconds from now until the request stops being worth serving, or None."""
+    def _budget(self, name: str, client_deadline: float | None, now: float) -> Budget:
+        """When the request stops being worth serving: the earlier of the client's deadline
+        and its class's SLO from now."""
         slo = self._core.config.classes[name].slo_p99_ms
-        class_budget = None if slo is None else now + slo / 1e3
-        at = Budget.of(client_deadline, class_budget).at
-        return None if at is None else at - now
+        return Budget.of(client_deadline, None if slo is None else now + slo / 1e3)
 
     def _late(self, entry: Entry[asyncio.Future[Ticket]], waited_s: float) -> bool:
-        if self.lateness is None or entry.budget_s is None:
+        if entry.budget_s is None:
             return False
         return self.lateness.late(waited_s, entry.class_name, entry.budget_s)
 

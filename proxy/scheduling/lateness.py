@@ -23,6 +23,10 @@ already waited ``budget - inside(class)`` is shed instead of sent: it would be a
 Only waiting is ever blamed: when ``inside(class)`` alone exceeds the budget (the model is slower
 than the objective, whatever the queue), nothing is shed, since shedding could not help.
 
+Both checks are deadline admission (``scheduling.shed_late``). With it off, the gate still holds
+a request with a *client* deadline to it at the head of its queue: its client will be gone
+before the answer, so sending it would only be abandoned work in Triton (issue 14).
+
 Pure: no clock of its own, every call takes ``now``.
 """
 

@@ -17,7 +17,6 @@ from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.gate import Admission, Gate, GateObserver
-from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
 
 
@@ -145,7 +144,7 @@ class ModelGates:
         admission. ``batch_s``: the model's full-batch time when the cost model knows it."""
         info = self._infos.get(model)
         gate = self.gates.get(model)
-        if gate is not None and gate.lateness is not None:
+        if gate is not None:
             gate.lateness.observe_inside(class_name, inside_s)
         if self.adaptive is None or info is None:
             return None
@@ -176,7 +175,6 @@ class ModelGates:
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
-                lateness=LatenessPredictor() if self.config.shed_late else None,
             )
         return gate
 
@@ -197,11 +195,6 @@ class ModelGates:
             gate.poke()
 
     def reconfigure(self, config: SchedulingConfig) -> None:
-        for gate in self.gates.values():
-            if config.shed_late and gate.lateness is None:
-                gate.lateness = LatenessPredictor()
-            elif not config.shed_late:
-                gate.lateness = None
         if (
             config.adaptive() != self.config.adaptive()
             or config.adaptive_concurrency != self.config.adaptive_concurrency

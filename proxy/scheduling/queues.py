@@ -66,7 +66,8 @@ class Entry(Generic[T]):
     seq: int
     budget_s: float | None = None
     """How long after ``enqueued_at`` the request stops being worth serving (its deadline
-    budget, :class:`proxy.scheduling.deadline.Budget`); None: never."""
+    budget, :class:`proxy.scheduling.deadline.Budget`), when the gate holds it to that at the
+    head of its queue; None: it does not."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,9 @@ def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
     assert p.rate(5.0) is None  # the window emptied: idle gate, no prediction
 
 
-def make_gate(clock: FakeClock, capacity: int) -> tuple[Gate, RecordingObserver]:
+def make_gate(
+    clock: FakeClock, capacity: int, shed_late: bool = True
+) -> tuple[Gate, RecordingObserver]:
     config = load_scheduling(
         {
             "classes": {
@@ -32,6 +34,7 @@ def make_gate(clock: FakeClock, capacity: int) -> tuple[Gate, RecordingObserver]
                 "off": {"rank": 1, "queue_timeout_s": None},
             },
             "default_class": "rt",
+            "shed_late": shed_late,
         }
     )
     observer = RecordingObserver()
@@ -186,4 +189,36 @@ async def test_a_request_that_waited_past_its_budget_is_not_dispatched(
     assert ticket.class_name == "off"
     ticket.release()
     assert gate.in_flight() == 0
+    gate.close()
+
+
+@pytest.mark.timeout(10)
+async def test_without_shed_late_only_a_client_deadline_is_held_at_the_head() -> None:
+    """Deadline admission off: nothing is shed at arrival and a class SLO is only a target,
+    but a request whose client will be gone before its answer is not sent (abandoned work)."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1, shed_late=False)
+    _busy(gate, clock, inside_s=0.03)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    # Queued, not shed at arrival, whatever is predicted.
+    doomed = asyncio.create_task(gate.admit("rt", deadline=clock.now() + 0.1).__aenter__())
+    slow = asyncio.create_task(gate.admit("rt").__aenter__())  # only its class SLO: 100 ms
+    await asyncio.sleep(0)
+    assert gate.queued("rt") == 2 and not observer.sheds
+    clock.advance(0.08)  # both waited 80 ms; with 30 ms inside, both would be answered late
+    release.set()
+    await holder
+    with pytest.raises(Shed) as info:
+        await doomed
+    assert info.value.reason is ShedReason.LATE
+    ticket = await slow  # served late: a class SLO is not a client that leaves
+    ticket.release()
+    assert observer.sheds == [("rt", ShedReason.LATE)]
     gate.close()
