@@ -222,3 +222,15 @@ async def test_without_shed_late_only_a_client_deadline_is_held_at_the_head() ->
     ticket.release()
     assert observer.sheds == [("rt", ShedReason.LATE)]
     gate.close()
+
+
+def test_late_allows_for_a_slow_answer_when_times_inside_vary() -> None:
+    steady, noisy = LatenessPredictor(), LatenessPredictor()
+    for i in range(200):
+        steady.observe_inside("rt", 0.05)
+        noisy.observe_inside("rt", 0.02 if i % 2 else 0.08)
+    assert steady.inside("rt") == pytest.approx(0.05)
+    assert noisy.inside("rt") == pytest.approx(0.05, abs=0.004)
+    # 60 ms left of a 100 ms budget: time for a steady 50 ms answer, not for a noisy one.
+    assert not steady.late(0.04, "rt", 0.1)
+    assert noisy.late(0.04, "rt", 0.1)
