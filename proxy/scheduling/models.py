@@ -165,6 +165,12 @@ class ModelGates:
                 gate.poke()  # more slots may dispatch waiters now
         return direction
 
+    def expected_inside_s(self, model: str, class_name: str) -> float:
+        """The mean time a request of the class spends inside Triton for the model (0 until
+        one was answered)."""
+        gate = self.gates.get(model)
+        return gate.lateness.inside(class_name) if gate is not None else 0.0
+
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
