@@ -347,6 +347,15 @@ def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
     leader = GaugeMetricFamily(
         "triton_proxy_control_leader", "1 when this process runs the control loops"
     )
+    deferred = GaugeMetricFamily(
+        "triton_proxy_control_deferred_seconds",
+        "How long the model's batching-window change has waited for headroom (the other "
+        "instances could not carry its load without the one to drain); absent when none waits",
+        labels=["loop", "model"],
+    )
+    now = loops.clock.now()
+    for model, since in sorted(loops.deferred.items()):
+        deferred.add_metric(["batching", model], max(0.0, now - since))
     for (instance, model), us in sorted(loops.windows.items()):
         window.add_metric([model, instance], us / 1e6)
     for model, us in sorted(loops.window_target.items()):
@@ -355,7 +364,7 @@ def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
         limit.add_metric([model, klass], share)
     dry.add_metric([], 1.0 if loops.config.dry_run else 0.0)
     leader.add_metric([], 1.0 if loops.is_leader() else 0.0)
-    yield from (window, target, limit, dry, leader)
+    yield from (window, target, limit, deferred, dry, leader)
 
 
 class _Families(Collector):

@@ -13,7 +13,10 @@ For each instance that serves the model and runs another window:
 5. wait until the model is ready again, then clear the mark.
 
 An instance is drained only while another healthy instance takes the model's requests; a
-fleet with a single instance is not reloaded (``no_other_instance``). While an instance drains,
+fleet with a single instance is not reloaded (``no_other_instance``). Before each instance is
+drained, ``can_drain`` (the loops' headroom rule, :mod:`proxy.control.headroom`) may defer the
+rest of the change: :attr:`ApplyResult.deferred`, and the instances already changed keep the
+new window. While an instance drains,
 the model's gate counts none of its slots (``ModelGates.capacity``), so the other instances are
 not pushed past theirs: the surplus waits in the class queues, in class order. A server not
 started with ``--model-control-mode=explicit`` refuses the load: :attr:`ApplyResult.refused`.
@@ -26,6 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proxy.control.headroom import Headroom
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.model_control import (
     ModelControl,
@@ -47,6 +51,8 @@ class ApplyResult:
     """Why the change stopped before reaching every instance (None: it did)."""
     refused: bool = False
     """The server does not allow model control (not in explicit mode)."""
+    deferred: Headroom | None = None
+    """``can_drain`` said no before an instance was drained (the others lacked headroom)."""
 
 
 class WindowApplier:
@@ -73,7 +79,13 @@ class WindowApplier:
         return window
 
     async def apply(
-        self, model: str, window_us: int, *, drain_timeout_s: float, ready_timeout_s: float
+        self,
+        model: str,
+        window_us: int,
+        *,
+        drain_timeout_s: float,
+        ready_timeout_s: float,
+        can_drain: Callable[[Instance, str], Headroom] | None = None,
     ) -> ApplyResult:
         result = ApplyResult()
         for instance in list(self.fleet.serving(model)):
@@ -96,6 +108,12 @@ class WindowApplier:
             if not others:
                 result.failed = "no_other_instance"
                 return result
+            if can_drain is not None:
+                verdict = can_drain(instance, model)
+                if not verdict.ok:
+                    result.deferred = verdict
+                    result.failed = f"{instance.name}: {verdict.reason}: {verdict.detail}"
+                    return result
             instance.draining.add(model)
             self.on_drain()
             try:
