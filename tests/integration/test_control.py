@@ -1,16 +1,20 @@
-"""The control loops' actuators against real Triton servers: drained window reloads, refusal by
-a server without explicit model control, and instance feedback with one instance slowed down.
+"""The control loops against real Triton servers: drained window reloads, refusal by a server
+without explicit model control, instance feedback with one instance slowed down, the class-limit
+loop cutting and releasing the offline class, and dry run changing nothing on the servers.
 
-These tests start their own small fleet (two servers, ``accel_sim`` only) because they change
-model configs, which other tests must not see.
+These tests start their own small fleet (two servers, ``accel_sim`` and ``sleeper``) because
+they change model configs, which other tests must not see.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,12 +37,13 @@ pytestmark = pytest.mark.integration
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MODEL = "accel_sim"
 DEFAULT_WINDOW_US = 2000
+SLEEPER = "sleeper"
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
     log_dir = tmp_path_factory.mktemp("control-logs")
-    f = LocalFleet(2, MODEL_REPOSITORY, (MODEL,), log_dir)
+    f = LocalFleet(2, MODEL_REPOSITORY, (MODEL, SLEEPER), log_dir)
     with sigterm_raises_exit():
         f.start(timeout_s=240)
         try:
@@ -364,3 +369,217 @@ def test_refused_without_explicit_model_control(
         for server in f.servers:
             assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
             assert with_batching_window(triton_config(server), 1)  # still batching
+
+
+def proxy_metrics(proxy: ProxyThread) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The proxy's own /metrics endpoint over HTTP: family sample name -> labels -> value."""
+    assert proxy.ports and proxy.ports.metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def sleeper_loop(url: str, clients: int, delay_ms: list[int], stop: threading.Event,
+                 out: Traffic) -> None:  # fmt: skip
+    """Closed-loop ``sleeper`` requests of the default class; each sleeps ``delay_ms[0]``."""
+
+    def loop() -> None:
+        with httpclient.InferenceServerClient(url, network_timeout=60) as c:
+            while not stop.is_set():
+                i = httpclient.InferInput("DELAY_MS", [1, 1], "INT32")
+                i.set_data_from_numpy(np.array([[delay_ms[0]]], dtype=np.int32))
+                began = time.monotonic()
+                try:
+                    c.infer(SLEEPER, [i])
+                except Exception as exc:
+                    out.errors.append(repr(exc))
+                    continue
+                out.latencies.append((began, time.monotonic() - began))
+
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(loop) for _ in range(clients)]:
+            f.result()
+
+
+def test_class_limit_loop_cuts_offline_and_releases_it(fleet: LocalFleet) -> None:
+    """The realtime class's P99 driven above its SLO (sleeper requests of 400 ms against a
+    200 ms SLO) cuts offline's share step by step down to its floor, as the proxy's /metrics
+    shows; once the realtime requests are fast again the share comes back to its maximum."""
+    policy = {
+        "scheduling": {
+            "default_class": "realtime",
+            "api_keys": {"off-key": {"class_name": "offline"}},
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 200},
+                "offline": {"rank": 1, "triton_priority": 2, "max_share": 0.8},
+            },
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "class_limits": {
+                "enabled": True,
+                "interval_s": 0.5,
+                "decrease_factor": 0.5,
+                "increase_step": 0.25,
+                "min_factor": 0.1,
+            },
+        },
+    }
+    key = (("class", "offline"), ("model", SLEEPER))
+    with running_proxy(fleet.servers, policy) as proxy:
+        delay = [400]
+        traffic = Traffic()
+        stop = threading.Event()
+        sender = threading.Thread(target=sleeper_loop, args=(proxy.http, 4, delay, stop, traffic))
+        sender.start()
+        seen: list[float] = []
+        try:
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                value = proxy_metrics(proxy).get("triton_proxy_class_limit", {}).get(key)
+                if value is not None and (not seen or value != seen[-1]):
+                    seen.append(value)
+                if value is not None and value <= 0.08 + 1e-9:
+                    break
+                time.sleep(0.1)
+            cut = list(seen)
+            delay[0] = 1  # the realtime class recovers
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                value = proxy_metrics(proxy)["triton_proxy_class_limit"][key]
+                if value != seen[-1]:
+                    seen.append(value)
+                if value >= 0.8 - 1e-9:
+                    break
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            sender.join(120)
+        assert not traffic.errors, traffic.errors[:3]
+        print(f"\nclass limit of offline on {SLEEPER} as /metrics showed it: {seen}")
+        # Cut: 0.8 x 1 -> 0.8 x 0.5 -> ... down to 0.8 x min_factor, never up on the way.
+        assert cut[-1] == pytest.approx(0.08), seen
+        assert all(b < a for a, b in itertools.pairwise(cut)), seen
+        assert len(cut) >= 3, seen  # it went down in steps (AIMD), not in one jump
+        # Released: back to max_share, in additive steps.
+        released = seen[len(cut) - 1 :]
+        assert released[-1] == pytest.approx(0.8), seen
+        assert all(b > a for a, b in itertools.pairwise(released)), seen
+        decisions = proxy_metrics(proxy)["triton_proxy_control_decisions_total"]
+
+        def count(direction: str, reason: str) -> float:
+            k = (("direction", direction), ("loop", "class_limits"), ("model", SLEEPER),
+                 ("reason", reason))  # fmt: skip
+            return decisions.get(k, 0.0)
+
+        # 1 -> 0.5 -> 0.25 -> 0.125 -> 0.1; 0.1 -> 0.35 -> 0.6 -> 0.85 -> 1.
+        assert count("down", "slo_violation") + count("down", "slo_approach") == 4, decisions
+        assert count("up", "slo_recovered") == 4, decisions
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def triton_successes(server: TritonServer) -> int:
+    with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
+        stats = c.get_inference_statistics(MODEL)
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -> None:
+    """With ``dry_run: true`` the batching loop decides to lengthen the window (an offline
+    backlog, the realtime SLO holding): the decision is logged and exported, and yet Triton's
+    config is what it was and the model was never reloaded (Triton's success counters, which a
+    reload sets back to zero, only grew by what the proxy sent)."""
+    policy = {
+        "scheduling": {
+            "concurrency": 2,
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
+                "offline": {"rank": 1, "triton_priority": 2},
+            },
+            "default_class": "offline",
+        },
+        "control": {
+            "dry_run": True,
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "batching": {
+                "enabled": True,
+                "dwell_s": 0.5,
+                "min_us": 1000,
+                "max_us": 4000,
+                "backlog_min": 1.0,
+                "fill_ratio": 0.0,
+                # A would-be change, not a would-be deferral (those have their unit tests).
+                "headroom": False,
+            },
+        },
+    }
+    before = {s.name: triton_successes(s) for s in fleet.servers}
+    for server in fleet.servers:
+        assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
+    lines = Lines()
+    logger = logging.getLogger("proxy.control")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        with running_proxy(fleet.servers, policy) as proxy:
+            rt = proxy.runtime
+            recorder = Recorder()
+            rt.observers.add(recorder)
+            reloads = record_reloads(rt.model_control, rt.clock)
+            traffic = Traffic()
+            stop = threading.Event()
+            sender = threading.Thread(target=closed_loop, args=(proxy.http, 8, stop, traffic))
+            sender.start()
+            try:
+                deadline = time.monotonic() + 45
+                while time.monotonic() < deadline and rt.control.window_target.get(MODEL) != 4000:
+                    time.sleep(0.2)
+                metrics = proxy_metrics(proxy)  # before the backlog goes (then: idle)
+            finally:
+                stop.set()
+                sender.join(120)
+            answered = {
+                s.name: sum(1 for r in recorder.records if r.instance == s.name and r.succeeded)
+                for s in fleet.servers
+            }
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(old_level)
+    assert not traffic.errors, traffic.errors[:3]
+    # Decided, logged and exported ...
+    dry = metrics.get("triton_proxy_control_dry_run_decisions_total", {})
+    up = (("direction", "up"), ("loop", "batching"), ("model", MODEL), ("reason", "backlog"))
+    assert dry.get(up, 0) >= 1, dry
+    assert not any(
+        dict(k).get("loop") == "batching"
+        for k in metrics.get("triton_proxy_control_decisions_total", {})
+    )
+    assert metrics["triton_proxy_batching_window_target_seconds"] == {(("model", MODEL),): 0.004}
+    assert metrics["triton_proxy_control_dry_run"] == {(): 1.0}
+    would = [x for x in lines.lines if x.startswith("dry run: would change batching accel_sim")]
+    assert would and "backlog" in would[0], lines.lines
+    # ... and nothing changed on the servers.
+    assert reloads.spans == []
+    assert all(v == 0.002 for v in metrics["triton_proxy_batching_window_seconds"].values())
+    for server in fleet.servers:
+        assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
+        after = triton_successes(server)
+        assert after >= before[server.name] + answered[server.name], (server.name, after)
+    assert sum(answered.values()) > 0
