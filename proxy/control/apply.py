@@ -63,11 +63,16 @@ class WindowApplier:
         *,
         on_window: Callable[[str, str, int | None], None] = lambda i, m, w: None,
         on_drain: Callable[[], None] = lambda: None,
+        remote_in_flight: Callable[[str, str], int | None] = lambda i, m: 0,
     ) -> None:
         self.fleet = fleet
         self.control = control
         self.on_drain = on_drain
-        """Called after a drain mark is set or cleared: the gates' capacity changed."""
+        """Called after a drain mark is set or cleared: the gates' capacity changed (and, with
+        workers, the leader publishes the mark)."""
+        self.remote_in_flight = remote_in_flight
+        """(instance, model) -> the model's requests other worker processes still have in
+        flight on the instance; None while one of them has not applied the drain mark yet."""
         self.on_window = on_window
         """Called with (instance, model, window_us) whenever an instance's window is learnt."""
 
@@ -118,9 +123,11 @@ class WindowApplier:
             self.on_drain()
             try:
                 if not await self._drained(instance, model, drain_timeout_s):
+                    remote = self.remote_in_flight(instance.name, model)
                     result.failed = (
                         f"{instance.name}: still {instance.model_in_flight.get(model, 0)} "
-                        f"request(s) in flight after {drain_timeout_s:g} s"
+                        f"request(s) in flight after {drain_timeout_s:g} s (other workers: "
+                        f"{'not all answered' if remote is None else remote})"
                     )
                     return result
                 try:
@@ -144,7 +151,10 @@ class WindowApplier:
     async def _drained(self, instance: Instance, model: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while instance.model_in_flight.get(model, 0) > 0:
+        while (
+            instance.model_in_flight.get(model, 0) > 0
+            or self.remote_in_flight(instance.name, model) != 0
+        ):
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(_POLL_S)

@@ -9,9 +9,11 @@ model at a time). Every decision is counted, exported and logged with its reason
 A window change waits for headroom (:mod:`proxy.control.headroom`): while the other instances
 could not carry the model's load without the one to drain, the change is deferred (counted once
 per episode as ``reason="no_headroom"``, logged once, exported as
-``triton_proxy_control_deferred``) and tried again at every tick; the dwell starts only when a
-change goes ahead. A change that stopped part way (deferred between two instances, or failed) is
-resumed at a later tick (at once when headroom returns; after ``dwell_s`` after a failure).
+``triton_proxy_control_deferred_seconds``) and tried again at every tick; the dwell starts only
+when a change goes ahead. An episode ends when the change goes ahead, or when the loop has not
+wanted it for ``window_s`` (so a condition that flickers from tick to tick is one episode). A
+change that stopped part way (deferred between two instances, or failed) is resumed at a later
+tick (at once when headroom returns; after ``dwell_s`` after a failure).
 
 Only the leader runs the loops (``is_leader``, injected; every process but one sees False).
 """
@@ -107,6 +109,9 @@ class ControlLoops:
         """Per model: (time, requests in flight on its instances + queued in the proxy)."""
         self._deferred: dict[str, float] = {}
         """Models whose window change waits for headroom -> since when (clock seconds)."""
+        self._unwanted: dict[str, float] = {}
+        """Deferred models whose change the loop stopped wanting -> since when; the episode
+        ends after ``window_s`` of that, so a flickering condition is one episode."""
         self._retry_at: dict[str, float] = {}
         """Models whose last change stopped part way -> earliest time to resume it."""
         self._limits: dict[str, ClassLimitController] = {}
@@ -180,6 +185,7 @@ class ControlLoops:
             self._batching.clear()
             self.window_target.clear()
             self._deferred.clear()
+            self._unwanted.clear()
             self._retry_at.clear()
         self._off.clear()  # a new policy may name other models; give each one a new try
 
@@ -316,6 +322,7 @@ class ControlLoops:
 
     def _defer(self, model: str, direction: str, change: str, verdict: Headroom) -> None:
         """A window change waits for headroom: counted and logged once per episode."""
+        self._unwanted.pop(model, None)
         if model in self._deferred:
             return
         self._deferred[model] = self.clock.now()
@@ -332,6 +339,7 @@ class ControlLoops:
         )
 
     def _end_deferral(self, model: str, why: str) -> None:
+        self._unwanted.pop(model, None)
         since = self._deferred.pop(model, None)
         if since is not None:
             log.info(
@@ -392,7 +400,10 @@ class ControlLoops:
         d = ctl.observe(sample, now)
         if d is None:
             if self.config.dry_run or not self._behind(model, current):
-                self._end_deferral(model, "change no longer wanted")
+                if model in self._deferred:
+                    since = self._unwanted.setdefault(model, now)
+                    if now - since >= self.config.window_s:
+                        self._end_deferral(model, f"change not wanted for {now - since:.0f} s")
                 return
             # An earlier change stopped part way: finish it, when headroom allows.
             if now < self._retry_at.get(model, now):
@@ -536,6 +547,13 @@ class ControlLoops:
         )
 
     # --- export ---------------------------------------------------------------------------
+    def applied_scales(self) -> dict[str, dict[str, float]]:
+        """Model -> class -> the factor this process's loop applied to its gate (none in dry
+        run): what the leader worker hands to the other workers (:mod:`proxy.workers`)."""
+        if self.config.dry_run or not self.config.class_limits.enabled:
+            return {}
+        return {m: dict(c.factors) for m, c in self._limits.items() if c.factors}
+
     def class_limits(self) -> list[tuple[str, str, float]]:
         """(model, class, share of the slots the class may hold) for every class below the top
         one: its ``max_share`` times the loop's factor (in dry run: the factor it would set)."""

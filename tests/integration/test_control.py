@@ -8,14 +8,20 @@ they change model configs, which other tests must not see.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import os
+import select
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +30,14 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import ModelControl, batching_window_us, with_batching_window
 from proxy.local import LocalFleet, TritonServer, group_members, sigterm_raises_exit
 from proxy.observer import RequestRecord
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, policy_for, running_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -583,3 +590,201 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
         after = triton_successes(server)
         assert after >= before[server.name] + answered[server.name], (server.name, after)
     assert sum(answered.values()) > 0
+
+
+# -- the loops with --workers 2: the leader's class factors and drain marks reach the other --
+
+
+@contextlib.contextmanager
+def serve_workers(servers: Sequence[TritonServer], policy: dict[str, Any], tmp: Path
+                  ) -> Iterator[tuple[str, str]]:  # fmt: skip
+    """``triton-proxy serve --workers 2`` in a child process; yields (HTTP address, merged
+    metrics URL)."""
+    path = tmp / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_for(servers, policy), sort_keys=False))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--workers", "2", "--policy", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        http = metrics = ""
+        deadline = time.monotonic() + 60
+        while not (http and metrics and any("worker processes" in x for x in lines)):
+            assert time.monotonic() < deadline, f"no banner: {lines}"
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = proc.stdout.readline()
+            assert line, f"the proxy exited: {lines}"
+            lines.append(line)
+            if "ready: HTTP localhost:" in line:
+                http = f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+            elif line.strip().startswith("metrics http://localhost:"):
+                metrics = line.strip().split()[1].replace("localhost", "127.0.0.1")
+        # Keep draining the pipe so the proxy never blocks on a full one.
+        threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
+        yield http, metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0, "".join(lines[-30:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def worker_metrics(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def scales_by_worker(url: str, model: str, klass: str) -> dict[str, float]:
+    got = worker_metrics(url).get("triton_proxy_class_share_scale", {})
+    return {
+        dict(k)["worker"]: v
+        for k, v in got.items()
+        if dict(k).get("model") == model and dict(k).get("class") == klass
+    }
+
+
+def test_workers_share_the_leaders_class_limits(fleet: LocalFleet, tmp_path: Path) -> None:
+    """With two worker processes the class-limit loop runs in the leader (from its own share
+    of the requests); the follower applies the leader's factor to its own gate, as each
+    worker's ``triton_proxy_class_share_scale`` in the merged /metrics shows, and releases it
+    with the leader."""
+    policy = {
+        "scrape": {"interval_s": 0.5, "window_s": 2.0},
+        "scheduling": {
+            "default_class": "realtime",
+            "api_keys": {"off-key": {"class_name": "offline"}},
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 200},
+                "offline": {"rank": 1, "triton_priority": 2, "max_share": 0.8},
+            },
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "class_limits": {"enabled": True, "interval_s": 0.5, "increase_step": 0.25},
+        },
+    }
+    with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics):
+        delay = [400]
+        traffic = Traffic()
+        stop = threading.Event()
+        # 8 clients, one connection each: the kernel spreads them over both workers.
+        sender = threading.Thread(target=sleeper_loop, args=(http, 8, delay, stop, traffic))
+        sender.start()
+        try:
+            deadline = time.monotonic() + 40
+            cut: dict[str, float] = {}
+            while time.monotonic() < deadline:
+                cut = scales_by_worker(metrics, SLEEPER, "offline")
+                if set(cut) == {"0", "1"} and max(cut.values()) <= 0.1 + 1e-9:
+                    break
+                time.sleep(0.2)
+            delay[0] = 1
+            deadline = time.monotonic() + 40
+            released: dict[str, float] = {}
+            while time.monotonic() < deadline:
+                released = scales_by_worker(metrics, SLEEPER, "offline")
+                if released and min(released.values()) >= 1.0:
+                    break
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            sender.join(120)
+    assert not traffic.errors, traffic.errors[:3]
+    print(f"\nworkers: offline share scale cut to {cut}, released to {released}")
+    assert cut == {"0": pytest.approx(0.1), "1": pytest.approx(0.1)}
+    assert released == {"0": 1.0, "1": 1.0}
+
+
+def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path) -> None:
+    """A window change made by the leader worker under traffic that reaches both workers: the
+    follower applies each drain mark (its own ``triton_proxy_instance_draining`` in the merged
+    /metrics), the change reaches both servers, and no request fails."""
+    policy = {
+        "scrape": {"interval_s": 0.5, "window_s": 2.0},
+        "scheduling": {
+            "concurrency": 2,
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
+                "offline": {"rank": 1, "triton_priority": 2},
+            },
+            "default_class": "offline",
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "batching": {
+                "enabled": True,
+                "models": [MODEL],
+                "dwell_s": 30.0,  # one change in this test
+                "min_us": 1000,
+                "max_us": 4000,
+                "backlog_min": 1.0,
+                "fill_ratio": 0.0,
+                "headroom": False,  # 8 clients on 2 x 2 slots: never room otherwise
+            },
+        },
+    }
+    try:
+        with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics):
+            traffic = Traffic()
+            stop = threading.Event()
+            sender = threading.Thread(target=closed_loop, args=(http, 8, stop, traffic))
+            sender.start()
+            follower_drained: set[str] = set()
+            try:
+                deadline = time.monotonic() + 50
+                while time.monotonic() < deadline:
+                    m = worker_metrics(metrics)
+                    for k, v in m.get("triton_proxy_instance_draining", {}).items():
+                        labels = dict(k)
+                        if labels["worker"] == "1" and labels["model"] == MODEL and v == 1.0:
+                            follower_drained.add(labels["instance"])
+                    windows = [batching_window_us(triton_config(s)) for s in fleet.servers]
+                    if windows == [4000, 4000] and not any(
+                        v for v in m.get("triton_proxy_instance_draining", {}).values()
+                    ):
+                        break
+                    time.sleep(0.1)
+            finally:
+                stop.set()
+                sender.join(120)
+            final = worker_metrics(metrics)
+        assert not traffic.errors, traffic.errors[:3]
+        assert [batching_window_us(triton_config(s)) for s in fleet.servers] == [4000, 4000]
+        print(f"\nworkers: the follower applied the drain mark of {sorted(follower_drained)}")
+        assert follower_drained == {s.name for s in fleet.servers}
+        served = {
+            dict(k)["worker"]
+            for k, v in final.get("triton_proxy_requests_total", {}).items()
+            if v > 0
+        }
+        assert served == {"0", "1"}, served
+    finally:
+        for server in fleet.servers:
+            restore_window(server, DEFAULT_WINDOW_US)
+
+
+def restore_window(server: TritonServer, window_us: int) -> None:
+    with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
+        config = c.get_model_config(MODEL)
+        if batching_window_us(config) != window_us:
+            c.load_model(MODEL, config=json.dumps(with_batching_window(config, window_us)))

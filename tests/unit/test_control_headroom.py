@@ -115,10 +115,16 @@ class Loaded:
 
     def __init__(self) -> None:
         self.busy = 0.0
+        self.queue_us: float | None = None
 
     def __call__(self) -> dict[str, InstanceSnapshot]:
         # INFO has 1 model instance: exec_rate 10/s x compute (busy / 10) s = busy.
-        load = ModelLoad(pending=3.0, exec_rate=10.0, compute_us=self.busy / 10 * 1e6)
+        load = ModelLoad(
+            pending=3.0,
+            exec_rate=10.0,
+            compute_us=self.busy / 10 * 1e6,
+            queue_us=self.queue_us,
+        )
         return {n: InstanceSnapshot(taken_at=0.0, models={"m": load}) for n in ("a", "b")}
 
 
@@ -344,3 +350,39 @@ def test_applier_asks_before_draining_each_instance() -> None:
     assert result.changed == ["a"]
     assert result.deferred is not None and result.deferred.reason == "busy"
     assert not fleet.get("b").draining
+
+
+def test_a_flickering_wish_is_one_episode(caplog: pytest.LogCaptureFixture) -> None:
+    """The lengthening is wanted, then not (Triton's queue time drops: batches fill), then
+    again, all without room:
+    one deferral counted and logged; the episode ends only after ``window_s`` unwanted."""
+    applier = FakeApplier(window=2000)
+    loops, _, telemetry, clock = make(LENGTHEN, applier)
+    snaps = Loaded()
+    snaps.busy = 0.9
+    loops.snapshots = snaps
+
+    async def tick(queue_us: float | None) -> None:
+        snaps.queue_us = queue_us
+        clock.advance(1.0)
+        feed(loops, clock, 0.01)
+        await loops.tick()
+
+    async def run() -> None:
+        with caplog.at_level(logging.INFO, logger="proxy.control"):
+            await tick(None)  # wanted, deferred
+            await tick(10.0)  # queue time << window: a longer window buys nothing
+            await tick(None)  # wanted again: the same episode
+            assert "m" in loops.deferred
+            for _ in range(6):  # not wanted for window_s (5 s): the episode ends
+                await tick(10.0)
+        await loops.stop()
+
+    asyncio.run(run())
+    decisions = samples(telemetry, "triton_proxy_control_decisions_total")
+    key = (("direction", "up"), ("loop", "batching"), ("model", "m"), ("reason", "no_headroom"))
+    assert decisions[key] == 1.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("deferred: no_headroom" in x for x in lines) == 1, lines
+    assert loops.deferred == {}
+    assert any("change not wanted for 5 s" in x for x in lines), lines
