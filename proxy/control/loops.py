@@ -396,6 +396,7 @@ class ControlLoops:
             },
             triton_queue_us=sum(known) / len(known) if known else None,
             backlog=self.backlog(model),
+            backlog_now=self._backlog[model][-1][1] if self._backlog.get(model) else None,
         )
         d = ctl.observe(sample, now)
         if d is None:
