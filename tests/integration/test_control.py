@@ -13,7 +13,7 @@ import itertools
 import json
 import logging
 import os
-import select
+import queue
 import shutil
 import signal
 import subprocess
@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -613,23 +613,31 @@ def serve_workers(servers: Sequence[TritonServer], policy: dict[str, Any], tmp: 
     )
     assert proc.stdout is not None
     lines: list[str] = []
+    got: queue.Queue[str] = queue.Queue()
+
+    def read(stdout: IO[str]) -> None:
+        # Every line is kept (and the pipe never fills, so the proxy never blocks on it).
+        for line in stdout:
+            lines.append(line)
+            got.put(line)
+
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True).start()
     try:
         http = metrics = ""
+        workers = False
         deadline = time.monotonic() + 60
-        while not (http and metrics and any("worker processes" in x for x in lines)):
-            assert time.monotonic() < deadline, f"no banner: {lines}"
-            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-            if not ready:
-                continue
-            line = proc.stdout.readline()
-            assert line, f"the proxy exited: {lines}"
-            lines.append(line)
+        while not (http and metrics and workers):
+            assert proc.poll() is None, f"the proxy exited: {lines}"
+            try:
+                line = got.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no banner: {lines}") from None
             if "ready: HTTP localhost:" in line:
                 http = f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
             elif line.strip().startswith("metrics http://localhost:"):
                 metrics = line.strip().split()[1].replace("localhost", "127.0.0.1")
-        # Keep draining the pipe so the proxy never blocks on a full one.
-        threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
+            elif "worker processes" in line:
+                workers = True
         yield http, metrics
     finally:
         proc.send_signal(signal.SIGTERM)
