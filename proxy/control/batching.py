@@ -26,7 +26,7 @@ With ``w`` the current window, rules are tried in order (the first that matches 
 4. every SLO class has ``p99[c] <= lengthen_ratio * slo[c]``, ``b >= backlog_min``, ``b_now``
    unknown or ``>= backlog_min``, and ``q`` is unknown or ``q >= fill_ratio * w`` ->
    **lengthen** (``backlog``): every SLO holds with margin and there is work to batch, over the
-   window and still now (the mean lags: benchmark run 3 lengthened 2 s after a surge ended, a
+   window and still now (the mean lags: benchmark run 3 lengthened ~8 s after a surge ended, a
    pair of wasted reloads). When Triton's mean queue time stays well under the window, batches
    reach their preferred size before it expires and a longer one buys nothing.
 5. ``b < backlog_min / 2`` and ``w > min_us`` -> **shorten** (``idle``): without a backlog a
