@@ -786,6 +786,13 @@ def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path
             if v > 0
         }
         assert served == {"0", "1"}, served
+        # The leader's change went through: no drain timed out waiting for the follower.
+        assert not any(final.get("triton_proxy_control_apply_failures_total", {}).values())
+        changes = final.get("triton_proxy_control_decisions_total", {})
+        assert any(
+            dict(k).get("loop") == "batching" and dict(k).get("reason") == "backlog"
+            for k in changes
+        ), changes
     finally:
         for server in fleet.servers:
             restore_window(server, DEFAULT_WINDOW_US)
