@@ -581,7 +581,7 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
     assert metrics["triton_proxy_batching_window_target_seconds"] == {(("model", MODEL),): 0.004}
     assert metrics["triton_proxy_control_dry_run"] == {(): 1.0}
     would = [x for x in lines.lines if x.startswith("dry run: would change batching accel_sim")]
-    assert would and "backlog" in would[0], lines.lines
+    assert any("2 ms -> 4 ms: backlog" in x for x in would), lines.lines
     # ... and nothing changed on the servers.
     assert reloads.spans == []
     assert all(v == 0.002 for v in metrics["triton_proxy_batching_window_seconds"].values())
@@ -597,9 +597,9 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
 
 @contextlib.contextmanager
 def serve_workers(servers: Sequence[TritonServer], policy: dict[str, Any], tmp: Path
-                  ) -> Iterator[tuple[str, str]]:  # fmt: skip
+                  ) -> Iterator[tuple[str, str, list[str]]]:  # fmt: skip
     """``triton-proxy serve --workers 2`` in a child process; yields (HTTP address, merged
-    metrics URL)."""
+    metrics URL, its output lines so far)."""
     path = tmp / "policy.yaml"
     path.write_text(yaml.safe_dump(policy_for(servers, policy), sort_keys=False))
     root = Path(__file__).resolve().parents[2]
@@ -638,7 +638,7 @@ def serve_workers(servers: Sequence[TritonServer], policy: dict[str, Any], tmp: 
                 metrics = line.strip().split()[1].replace("localhost", "127.0.0.1")
             elif "worker processes" in line:
                 workers = True
-        yield http, metrics
+        yield http, metrics, lines
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -689,7 +689,7 @@ def test_workers_share_the_leaders_class_limits(fleet: LocalFleet, tmp_path: Pat
             "class_limits": {"enabled": True, "interval_s": 0.5, "increase_step": 0.25},
         },
     }
-    with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics):
+    with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics, _):
         delay = [400]
         traffic = Traffic()
         stop = threading.Event()
@@ -743,7 +743,7 @@ def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path
                 "enabled": True,
                 "models": [MODEL],
                 "dwell_s": 30.0,  # one change in this test
-                "min_us": 1000,
+                "min_us": DEFAULT_WINDOW_US,  # never shortened (idle, before the traffic)
                 "max_us": 4000,
                 "backlog_min": 1.0,
                 "fill_ratio": 0.0,
@@ -752,7 +752,7 @@ def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path
         },
     }
     try:
-        with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics):
+        with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics, lines):
             traffic = Traffic()
             stop = threading.Event()
             sender = threading.Thread(target=closed_loop, args=(http, 8, stop, traffic))
@@ -776,8 +776,10 @@ def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path
                 stop.set()
                 sender.join(120)
             final = worker_metrics(metrics)
+        said = [x for x in lines if "proxy.control" in x or "batching" in x]
         assert not traffic.errors, traffic.errors[:3]
-        assert [batching_window_us(triton_config(s)) for s in fleet.servers] == [4000, 4000]
+        windows = [batching_window_us(triton_config(s)) for s in fleet.servers]
+        assert windows == [4000, 4000], said
         print(f"\nworkers: the follower applied the drain mark of {sorted(follower_drained)}")
         assert follower_drained == {s.name for s in fleet.servers}
         served = {
