@@ -209,6 +209,10 @@ class Gate:
         self._core.set_share_scale(class_name, factor)
         self.poke()
 
+    def share_scale(self, class_name: str) -> float:
+        """The factor :meth:`set_share_scale` last set for the class (1: none)."""
+        return self._core.share_scale(class_name)
+
     def reconfigure(self, config: SchedulingConfig) -> None:
         """Swap in a reloaded section; waiters and in-flight slots carry over."""
         self._core.reconfigure(config)

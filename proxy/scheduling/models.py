@@ -126,6 +126,10 @@ class ModelGates:
             slots = max(1, int(slots * self.share))
         return slots
 
+    def info(self, model: str) -> ModelInfo | None:
+        """The model's batching facts, once its gate exists."""
+        return self._infos.get(model)
+
     def slot_limit(self, instance: str, model: str) -> int | None:
         """Placement's per-instance bound for ``model``, or None before its gate exists."""
         info = self._infos.get(model)

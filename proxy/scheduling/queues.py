@@ -102,6 +102,9 @@ class ClassQueues(Generic[T]):
             raise ValueError(f"share scale must be in (0, 1], got {factor}")
         self._scale[class_name] = factor
 
+    def share_scale(self, class_name: str) -> float:
+        return self._scale.get(class_name, 1.0)
+
     def _limit(self, name: str, capacity: int, instances: int) -> int:
         return self._config.classes[name].share_limit(
             capacity, instances, self._scale.get(name, 1.0)
