@@ -18,7 +18,10 @@ Every arm sends the same schedule to the same local Triton servers:
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
 - ``proxy_class_aware+adaptive``: the same with adaptive concurrency and deadline admission on
-  (both measured to shed real-time traffic at light load in issue 10's case, so off by default).
+  (both measured to shed real-time traffic at light load in issue 10's case, so off by default);
+- ``proxy_long_lane``: ``expected_start`` packing long work into a lane of instances, the
+  lowest class at ``max_per_instance: 8`` with ``spare_instances: 1`` (one instance kept free
+  of it for short work); ``+adaptive`` adds adaptive concurrency.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -63,6 +66,12 @@ PREVIOUS_CONCURRENCY = 32
 ``accel_sim``), what ``derive_concurrency`` gave for one model instance."""
 
 
+LANE_DEPTH = 8
+"""``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
+issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
+one running and one forming."""
+
+
 @dataclass(frozen=True)
 class ArmPlan:
     """What one arm is, before anything is started (pure data, for tests and ``--list-arms``)."""
@@ -79,6 +88,8 @@ class ArmPlan:
     """Keys set on the ``scheduling:`` section over the ones built from the scenario."""
     lowest_max_per_instance: int | None = None
     """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
+    lowest_spare_instances: int = 0
+    """``spare_instances`` of the lowest-ranked class (its long lane leaves these free)."""
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -136,6 +147,26 @@ def _catalog() -> dict[str, ArmPlan]:
             lowest_max_per_instance=1,
         ),
         ArmPlan(
+            "proxy_long_lane",
+            "proxy",
+            "triton-proxy, expected_start packing long work into a lane; lowest class "
+            f"max_per_instance {LANE_DEPTH}, spare_instances 1",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+        ),
+        ArmPlan(
+            "proxy_long_lane+adaptive",
+            "proxy",
+            "proxy_long_lane with adaptive concurrency on",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            scheduling={"adaptive_concurrency": {"enabled": True}},
+        ),
+        ArmPlan(
             "proxy_class_aware+adaptive",
             "proxy",
             "proxy_class_aware with adaptive concurrency and deadline admission on",
@@ -171,6 +202,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "proxy_previous_best",
         "proxy_class_aware",
         "proxy_class_aware+adaptive",
+        "proxy_long_lane",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),
@@ -280,6 +312,8 @@ def proxy_policy(
         if plan.lowest_max_per_instance is not None:
             lowest = section["default_class"]
             section["classes"][lowest]["max_per_instance"] = plan.lowest_max_per_instance
+            if plan.lowest_spare_instances:
+                section["classes"][lowest]["spare_instances"] = plan.lowest_spare_instances
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

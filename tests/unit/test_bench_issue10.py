@@ -281,6 +281,7 @@ def test_issue10_preset():
         "proxy_previous_best",
         "proxy_class_aware",
         "proxy_class_aware+adaptive",
+        "proxy_long_lane",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
