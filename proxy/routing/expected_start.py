@@ -39,7 +39,7 @@ class ExpectedStart:
 
     Formula, for a request of priority level ``p`` on a model with ``max_batch_size`` ``B``::
 
-        short request:  score = ((ahead + 1) / B + long_weight * long_in_flight) / weight
+        short request:  score = ((ahead + 1) / B + long_weight * min(long_in_flight, 2)) / weight
         long, spread:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
         long, pack:     key = (full, -class_in_flight, -long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
@@ -58,8 +58,13 @@ class ExpectedStart:
 
     where ``ahead`` counts this proxy's requests of the model in flight on the instance at level
     ``<= p`` (with Triton priorities, work queued at lower levels waits behind this request, so it
-    does not delay it), ``(ahead + 1) / B`` is the number of batches to wait for, and each long
-    request in flight may hold the instance for a batch padded to its length. Ties at random.
+    does not delay it), ``(ahead + 1) / B`` is the number of batches to wait for, and long work
+    in flight may hold the instance for a batch padded to its length: the one running, and the
+    one this request joins, which Triton fills with queued lower-level rows. Long work queued
+    further back at a lower level does not delay it, hence at most 2 count: a deep lane
+    repels short requests no more than a shallow one, and they spill onto it only when the
+    instances without long work have more than ``2 x long_weight`` batches of their own.
+    Ties at random.
 
     Why not least outstanding work: with batching, a short request's marginal cost on an instance
     already running short requests is small, and chasing the emptiest instance herds traffic
@@ -107,7 +112,7 @@ class ExpectedStart:
 
             def key(c: Candidate) -> tuple[float, ...]:
                 ahead = c.model_in_flight if c.ahead is None else c.ahead
-                score = (ahead + 1) / batch + long_weight * c.long_in_flight
+                score = (ahead + 1) / batch + long_weight * min(c.long_in_flight, 2)
                 return (score / weight_of(c),)
 
         return pick_min(candidates, key, self._rng)

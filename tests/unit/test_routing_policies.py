@@ -219,9 +219,7 @@ def test_registry_errors_name_the_path(name: str, params: dict[str, Any], match:
 # --- expected_start ----------------------------------------------------------------------
 
 
-def _es(
-    request: RouteRequest, *cands: Candidate, seed: int = 0, placement: str = "pack"
-) -> str:
+def _es(request: RouteRequest, *cands: Candidate, seed: int = 0, placement: str = "pack") -> str:
     params = {"long_weight": 3.0, "long_placement": placement}
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
@@ -232,6 +230,14 @@ def test_expected_start_keeps_short_requests_off_instances_running_long_work() -
     busy_short = dataclasses.replace(cand("a", in_flight=20), ahead=20)
     running_long = dataclasses.replace(cand("b", in_flight=2), ahead=1, long_in_flight=1)
     assert _es(short, busy_short, running_long) == "a"  # 21/16 + 0 < 2/16 + 3
+
+
+def test_a_deep_lane_repels_short_requests_no_more_than_two_long_requests() -> None:
+    short = RouteRequest(model=MODEL, level=1, batch=16)
+    lane = dataclasses.replace(cand("b", in_flight=8), ahead=0, long_in_flight=8)
+    # 6 short batches ahead on a: 97/16 = 6.06 > 3 x 2 = 6: spills onto the lane
+    assert _es(short, dataclasses.replace(cand("a", in_flight=96), ahead=96), lane) == "b"
+    assert _es(short, dataclasses.replace(cand("a", in_flight=94), ahead=94), lane) == "a"
 
 
 def test_expected_start_counts_only_work_at_the_same_or_higher_priority() -> None:

@@ -335,3 +335,18 @@ def test_never_starves_any_class_over_a_long_saturated_run(dispatch: str) -> Non
         q.release(running.pop(0))
         now += 0.01
     assert all(seen[c] >= 150 for c in ("rt", "on", "off")), seen
+
+
+@pytest.mark.parametrize(("instances", "expected"), [(3, 16), (2, 8), (1, 8)])
+def test_spare_instances_shrink_a_capped_class_to_its_lane(instances: int, expected: int) -> None:
+    # max_per_instance 8 over all but one instance (never fewer than one): the gate admits
+    # no more of the class than its lane holds, whatever the capacity
+    q = make({"rt": {"rank": 0}, "off": {"rank": 1, "max_per_instance": 8, "spare_instances": 1}})
+    for i in range(40):
+        q.push(f"o{i}", "off", 0.0)
+    out = []
+    while (e := q.pop(0.0, 96, instances)) is not None:
+        out.append(e.item)
+    assert len(out) == expected
+    q.push("r1", "rt", 0.0)
+    assert q.pop(0.0, 96, instances) is not None  # the other classes keep the rest
