@@ -15,6 +15,7 @@ from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
     PRESETS,
+    LANE_DEPTH,
     PREVIOUS_CONCURRENCY,
     parse_vm_rss_mib,
     proxy_policy,
@@ -312,6 +313,25 @@ def test_previous_best_and_class_aware_policies():
     assert both.scheduling is not None
     assert both.scheduling.adaptive() and both.scheduling.shed_late is True
     assert both.routing.policy.name == "expected_start"
+
+
+def test_long_lane_policy():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    lane = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_long_lane"], sc), "<t>")
+    assert lane.routing.policy.name == "expected_start"
+    assert lane.scheduling is not None and not lane.scheduling.adaptive()
+    offline = lane.scheduling.classes["offline"]
+    assert (offline.max_per_instance, offline.spare_instances) == (LANE_DEPTH, 1)
+    assert all(
+        c.max_per_instance is None and c.spare_instances == 0
+        for n, c in lane.scheduling.classes.items()
+        if n != "offline"
+    )
+    adaptive = config_mod.parse(
+        proxy_policy(SERVERS, CATALOG["proxy_long_lane+adaptive"], sc), "<t>"
+    )
+    assert adaptive.scheduling is not None and adaptive.scheduling.adaptive()
+    assert adaptive.scheduling.shed_late is False
 
 
 def test_estimates():
