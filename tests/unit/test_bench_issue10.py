@@ -14,8 +14,8 @@ from proxy import config as config_mod
 from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
-    PRESETS,
     LANE_DEPTH,
+    PRESETS,
     PREVIOUS_CONCURRENCY,
     parse_vm_rss_mib,
     proxy_policy,
