@@ -104,6 +104,7 @@ LANE_POLICY: dict[str, Any] = {
                 **POLICY["scheduling"]["classes"]["offline"],
                 "max_per_instance": 2,
                 "spare_instances": 1,
+                "spare_idle_s": 60,  # kept for real-time throughout the test
             },
         },
     },
@@ -145,6 +146,7 @@ async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
                     await resp.read()
                     return resp.status
 
+            assert await send(RT_KEY, 16) == 200  # real-time has been active
             offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
             await asyncio.sleep(0.3)
             realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
