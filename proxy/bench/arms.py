@@ -21,7 +21,8 @@ Every arm sends the same schedule to the same local Triton servers:
   (both measured to shed real-time traffic at light load in issue 10's case, so off by default);
 - ``proxy_long_lane``: ``expected_start`` packing long work into a lane of instances, the
   lowest class at ``max_per_instance: 8`` with ``spare_instances: 1`` (one instance kept free
-  of it for short work); ``+adaptive`` adds adaptive concurrency.
+  of it for short work) and 64 slots per instance; ``+adaptive`` has adaptive concurrency
+  instead of the 64 fixed slots.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -70,6 +71,15 @@ LANE_DEPTH = 8
 """``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
 issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
 one running and one forming."""
+
+
+LANE_CONCURRENCY = 64
+"""Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
+serves all the short work while the lane runs long work; with 2 x ``max_batch_size`` (32)
+its slots filled under bursts and short requests spilled onto the lane, into padded batches
+(measured, burst x1.5: every instance at 32, 24 of them short on each lane instance).
+Triton orders the deeper queue by priority, and it holds short work only, so it pads
+nothing."""
 
 
 @dataclass(frozen=True)
@@ -150,16 +160,17 @@ def _catalog() -> dict[str, ArmPlan]:
             "proxy_long_lane",
             "proxy",
             "triton-proxy, expected_start packing long work into a lane; lowest class "
-            f"max_per_instance {LANE_DEPTH}, spare_instances 1",
+            f"max_per_instance {LANE_DEPTH}, spare_instances 1; concurrency {LANE_CONCURRENCY}",
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,
             lowest_spare_instances=1,
+            scheduling={"concurrency": LANE_CONCURRENCY},
         ),
         ArmPlan(
             "proxy_long_lane+adaptive",
             "proxy",
-            "proxy_long_lane with adaptive concurrency on",
+            "proxy_long_lane with adaptive concurrency on (from 32 slots, up to 64)",
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,

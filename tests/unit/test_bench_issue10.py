@@ -14,6 +14,7 @@ from proxy import config as config_mod
 from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
+    LANE_CONCURRENCY,
     LANE_DEPTH,
     PRESETS,
     PREVIOUS_CONCURRENCY,
@@ -320,6 +321,7 @@ def test_long_lane_policy():
     lane = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_long_lane"], sc), "<t>")
     assert lane.routing.policy.name == "expected_start"
     assert lane.scheduling is not None and not lane.scheduling.adaptive()
+    assert lane.scheduling.concurrency == LANE_CONCURRENCY == 4 * 16
     offline = lane.scheduling.classes["offline"]
     assert (offline.max_per_instance, offline.spare_instances) == (LANE_DEPTH, 1)
     assert all(
@@ -331,6 +333,7 @@ def test_long_lane_policy():
         proxy_policy(SERVERS, CATALOG["proxy_long_lane+adaptive"], sc), "<t>"
     )
     assert adaptive.scheduling is not None and adaptive.scheduling.adaptive()
+    assert adaptive.scheduling.concurrency is None
     assert adaptive.scheduling.shed_late is False
 
 
