@@ -100,6 +100,8 @@ class ArmPlan:
     """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
     lowest_spare_instances: int = 0
     """``spare_instances`` of the lowest-ranked class (its long lane leaves these free)."""
+    policy_params: Mapping[str, Any] | None = None
+    """The routing policy's parameters (none: its defaults)."""
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -155,6 +157,8 @@ def _catalog() -> dict[str, ArmPlan]:
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=1,
+            # as measured in the first round, before long requests were packed into a lane
+            policy_params={"long_placement": "spread"},
         ),
         ArmPlan(
             "proxy_long_lane",
@@ -184,6 +188,7 @@ def _catalog() -> dict[str, ArmPlan]:
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=1,
+            policy_params={"long_placement": "spread"},
             scheduling={"shed_late": True, "adaptive_concurrency": {"enabled": True}},
         ),
     ]
@@ -314,7 +319,7 @@ def proxy_policy(
     doc: dict[str, Any] = {
         "instances": instances,
         "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
-        "routing": {"policy": {"name": plan.policy, "params": {}}},
+        "routing": {"policy": {"name": plan.policy, "params": dict(plan.policy_params or {})}},
     }
     if plan.classes:
         if scenario is None:

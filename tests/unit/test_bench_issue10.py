@@ -304,6 +304,7 @@ def test_previous_best_and_class_aware_policies():
     assert all(c.max_per_instance is None for c in prev.scheduling.classes.values())
     new = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_class_aware"], sc), "<t>")
     assert new.routing.policy.name == "expected_start"
+    assert new.routing.policy.params == {"long_placement": "spread"}  # as first measured
     assert new.scheduling is not None
     assert new.scheduling.concurrency is None and not new.scheduling.adaptive()
     assert new.scheduling.shed_late is False
