@@ -39,6 +39,8 @@ from proxy.scheduling.models import FanOutObserver, ModelGates
 from proxy.telemetry import RequestTelemetry, Telemetry
 from proxy.workers import (
     STATE_FILE,
+    FollowerReports,
+    SharedFleetState,
     SharedSnapshots,
     WorkerRole,
     leader_state,
@@ -118,9 +120,20 @@ class Runtime:
         else:
             # A follower worker reads the leader's snapshots and health verdicts.
             self.scraper = SharedSnapshots(
-                role.state_dir / STATE_FILE, self.fleet, scrape.interval_s
+                role.state_dir / STATE_FILE,
+                self.fleet,
+                scrape.interval_s,
+                report_path=role.report_file(),
+                on_state=self._adopt_control,
             )
         self._publisher: asyncio.Task[None] | None = None
+        # The leader worker shares its drain marks and class factors (proxy.workers).
+        self._followers: FollowerReports | None = None
+        if role is not None and role.leader and role.count > 1:
+            self._followers = FollowerReports(role)
+        self._drain_epoch = 0
+        self._mark_epoch: dict[tuple[str, str], int] = {}
+        """(instance, model) drained -> the drain epoch that published its mark."""
         self.leadership = build_leadership(
             config.leadership, clock, eligible=role is None or role.leader
         )
@@ -152,7 +165,12 @@ class Runtime:
             fleet=self.fleet,
             gates=lambda: self.gates,
             snapshots=self.scraper.snapshots,
-            applier=WindowApplier(self.fleet, self.model_control, on_drain=self._poke_gates),
+            applier=WindowApplier(
+                self.fleet,
+                self.model_control,
+                on_drain=self._drain_changed,
+                remote_in_flight=self._remote_in_flight,
+            ),
             clock=clock,
             telemetry=telemetry,
             # The control loops act only in the leader worker of the leader replica.
@@ -264,6 +282,38 @@ class Runtime:
         if self.gates is not None:
             self.gates.poke()
 
+    def _drain_changed(self) -> None:
+        """A drain mark was set or cleared here: the gates' capacity changed; the leader
+        worker tells the others at once (a new drain epoch)."""
+        self._poke_gates()
+        if self._followers is None:
+            return
+        self._drain_epoch += 1
+        marks = {(i.name, m) for i in self.fleet.all() for m in i.draining}
+        self._mark_epoch = {k: self._mark_epoch.get(k, self._drain_epoch) for k in sorted(marks)}
+        self._publish_once()
+
+    def _remote_in_flight(self, instance: str, model: str) -> int | None:
+        if self._followers is None:
+            return 0
+        return self._followers.in_flight(
+            instance, model, self._mark_epoch.get((instance, model), self._drain_epoch)
+        )
+
+    def _adopt_control(self, state: SharedFleetState, drains_changed: bool) -> None:
+        """Follower: the leader's class factors on this worker's gates; its drain marks (already
+        on the fleet) change the gates' capacity."""
+        gates = self.gates
+        if gates is not None:
+            for model, gate in gates.gates.items():
+                scales = state.class_scales.get(model, {})
+                for klass in gate.config.classes:
+                    factor = scales.get(klass, 1.0)
+                    if gate.share_scale(klass) != factor:
+                        gate.set_share_scale(klass, factor)
+        if drains_changed:
+            self._poke_gates()
+
     def _on_health_change(self, instance: Instance) -> None:
         if not instance.healthy:
             self.telemetry.ejections.labels(instance.name).inc()
@@ -351,14 +401,23 @@ class Runtime:
     async def _publish(self) -> None:
         """Leader: share snapshots and health verdicts with the followers (proxy.workers)."""
         assert self.role is not None
-        path = self.role.state_dir / STATE_FILE
         while True:
-            try:
-                snapshots = self.scraper.snapshots()
-                write_state(path, leader_state(self.fleet, snapshots, self.clock.now()))
-            except OSError as exc:
-                log.warning("could not publish the fleet state to the other workers: %s", exc)
+            self._publish_once()
             await asyncio.sleep(self.config.scrape.interval_s / 2)
+
+    def _publish_once(self) -> None:
+        assert self.role is not None
+        try:
+            state = leader_state(
+                self.fleet,
+                self.scraper.snapshots(),
+                self.clock.now(),
+                drain_epoch=self._drain_epoch,
+                class_scales=self.control.applied_scales(),
+            )
+            write_state(self.role.state_dir / STATE_FILE, state)
+        except OSError as exc:
+            log.warning("could not publish the fleet state to the other workers: %s", exc)
 
     async def stop(self) -> None:
         await self.control.stop()

@@ -206,14 +206,23 @@ class _FleetCollector(Collector):
             "Requests the proxy has in flight, by instance and model",
             labels=["instance", "model"],
         )
+        draining = GaugeMetricFamily(
+            "triton_proxy_instance_draining",
+            "1 while this process keeps the model's new requests off the instance (a drained "
+            "batching-window reload; with workers, the leader's mark as each worker applies it)",
+            labels=["instance", "model"],
+        )
         for inst in rt.fleet.all():
             healthy.add_metric([inst.name], 1.0 if inst.healthy else 0.0)
             in_flight.add_metric([inst.name], inst.in_flight)
             for model, n in inst.model_in_flight.items():
                 model_in_flight.add_metric([inst.name, model], n)
+            for model in sorted(inst.draining):
+                draining.add_metric([inst.name, model], 1.0)
         yield healthy
         yield in_flight
         yield model_in_flight
+        yield draining
         yield from _scraped(rt)
         yield _buffered(rt)
         yield from _feedback(rt)
@@ -295,6 +304,12 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
         "Dispatch slots of the model's gate (healthy instances x concurrency)",
         labels=["model"],
     )
+    scale = GaugeMetricFamily(
+        "triton_proxy_class_share_scale",
+        "The factor this process's gate applies to the class's max_share (class-limit loop; "
+        "with workers, the leader's factor as each worker applies it; 1 = not limited)",
+        labels=["model", "class"],
+    )
     for model, gate in rt.gates.gates.items():
         info = rt.catalog.cached(model)
         if info is not None:
@@ -302,6 +317,7 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
         for klass in gate.config.classes:
             queued.add_metric([model, klass], gate.queued(klass))
             running.add_metric([model, klass], gate.in_flight(klass))
+            scale.add_metric([model, klass], gate.share_scale(klass))
     adaptive = GaugeMetricFamily(
         "triton_proxy_adaptive_concurrency",
         "Requests of the model the instance may hold, as adaptive concurrency set it",
@@ -319,7 +335,7 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     for klass, spec in classes.items():
         if spec.slo_p99_ms is not None:
             slo.add_metric([klass], spec.slo_p99_ms / 1000.0)
-    yield from (queued, running, capacity, adaptive, slo)
+    yield from (queued, running, capacity, scale, adaptive, slo)
 
 
 def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
@@ -347,6 +363,15 @@ def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
     leader = GaugeMetricFamily(
         "triton_proxy_control_leader", "1 when this process runs the control loops"
     )
+    deferred = GaugeMetricFamily(
+        "triton_proxy_control_deferred_seconds",
+        "How long the model's batching-window change has waited for headroom (the other "
+        "instances could not carry its load without the one to drain); absent when none waits",
+        labels=["loop", "model"],
+    )
+    now = loops.clock.now()
+    for model, since in sorted(loops.deferred.items()):
+        deferred.add_metric(["batching", model], max(0.0, now - since))
     for (instance, model), us in sorted(loops.windows.items()):
         window.add_metric([model, instance], us / 1e6)
     for model, us in sorted(loops.window_target.items()):
@@ -355,7 +380,7 @@ def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
         limit.add_metric([model, klass], share)
     dry.add_metric([], 1.0 if loops.config.dry_run else 0.0)
     leader.add_metric([], 1.0 if loops.is_leader() else 0.0)
-    yield from (window, target, limit, dry, leader)
+    yield from (window, target, limit, deferred, dry, leader)
 
 
 class _Families(Collector):

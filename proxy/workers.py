@@ -17,6 +17,13 @@ Shape (the simplest one we could make honest):
   the same in every process of the machine, so staleness is judged alike everywhere.
 - A follower still reacts at once to what its own requests see: a refused connection ejects
   the instance locally, and a leader verdict older than that failure does not bring it back.
+- The same file carries the leader's **control state**: the class-limit loop's factors (each
+  follower applies them to its own gates) and the batching-window loop's **drain marks**
+  (each follower stops placing the model's new requests on the instance). A follower answers
+  in its own small file (``worker-I.control.pickle``): the drain epoch it has applied and its
+  own requests still in flight on every drained (instance, model). The leader reloads an
+  instance only once every follower has applied the mark and has none of the model's requests
+  in flight there (:class:`FollowerReports`).
 - The leader alone serves the configured metrics port; followers serve theirs on a loopback
   port named in their ready file, and the leader's ``/metrics`` merges them, adding a
   ``worker`` label to every series (sum over ``worker`` for proxy-wide figures).
@@ -42,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -54,6 +61,8 @@ from proxy.scheduling.config import SchedulingConfig
 log = logging.getLogger(__name__)
 
 STATE_FILE = "fleet.pickle"
+DRAIN_POLL_S = 0.05
+"""How often a follower reads the state and answers while a drain mark is set."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class WorkerRole:
 
     def ready_file(self, index: int | None = None) -> Path:
         return self.state_dir / f"worker-{self.index if index is None else index}.json"
+
+    def report_file(self, index: int | None = None) -> Path:
+        """A follower's answer to the leader's control state (see :class:`FollowerReport`)."""
+        i = self.index if index is None else index
+        return self.state_dir / f"worker-{i}.control.pickle"
 
 
 # -- class limits across workers ------------------------------------------------------------
@@ -135,9 +149,25 @@ class SharedFleetState:
     written_at: float
     snapshots: Mapping[str, InstanceSnapshot]
     health: Mapping[str, HealthVerdict]
+    draining: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """Instance -> models the leader drains there (a batching-window reload is under way)."""
+    drain_epoch: int = 0
+    """Raised by the leader whenever its drain marks change; followers echo it back."""
+    class_scales: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Model -> class -> the class-limit loop's factor on ``max_share`` (absent: 1)."""
 
 
-def write_state(path: Path, state: SharedFleetState) -> None:
+@dataclass(frozen=True)
+class FollowerReport:
+    """A follower's answer to the leader's control state."""
+
+    epoch: int
+    """The ``drain_epoch`` of the last state this worker applied."""
+    in_flight: Mapping[tuple[str, str], int]
+    """(instance, model) -> this worker's requests in flight there, for every drained pair."""
+
+
+def write_state(path: Path, state: SharedFleetState | FollowerReport) -> None:
     """Write atomically: readers see the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_bytes(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
@@ -155,13 +185,87 @@ def read_state(path: Path) -> SharedFleetState | None:
 
 
 def leader_state(
-    fleet: Fleet, snapshots: Mapping[str, InstanceSnapshot], now: float
+    fleet: Fleet,
+    snapshots: Mapping[str, InstanceSnapshot],
+    now: float,
+    *,
+    drain_epoch: int = 0,
+    class_scales: Mapping[str, Mapping[str, float]] | None = None,
 ) -> SharedFleetState:
     health = {
         inst.name: HealthVerdict(inst.healthy, inst.ejected_reason, inst.verdict_at)
         for inst in fleet.all()
     }
-    return SharedFleetState(now, dict(snapshots), health)
+    draining = {i.name: frozenset(i.draining) for i in fleet.all() if i.draining}
+    return SharedFleetState(
+        now, dict(snapshots), health, draining, drain_epoch, dict(class_scales or {})
+    )
+
+
+def adopt_draining(fleet: Fleet, marks: Mapping[str, frozenset[str]]) -> bool:
+    """Make this worker's drain marks the leader's; True when any changed."""
+    changed = False
+    for inst in fleet.all():
+        want = set(marks.get(inst.name, frozenset()))
+        if inst.draining != want:
+            inst.draining.clear()
+            inst.draining.update(want)
+            changed = True
+    return changed
+
+
+def follower_report(fleet: Fleet, epoch: int) -> FollowerReport:
+    in_flight = {
+        (inst.name, model): inst.model_in_flight.get(model, 0)
+        for inst in fleet.all()
+        for model in inst.draining
+    }
+    return FollowerReport(epoch, in_flight)
+
+
+def read_report(path: Path) -> FollowerReport | None:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    report = pickle.loads(data)  # our own 0700 directory, as read_state
+    return report if isinstance(report, FollowerReport) else None
+
+
+class FollowerReports:
+    """The leader's view of its followers' answers (one file each, re-read when it changes)."""
+
+    def __init__(self, role: WorkerRole) -> None:
+        self.paths = [role.report_file(i) for i in range(role.count) if i != role.index]
+        self._cache: dict[Path, tuple[tuple[int, int], FollowerReport | None]] = {}
+
+    def _read(self, path: Path) -> FollowerReport | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_ino)
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            report = read_report(path)
+        except (OSError, pickle.UnpicklingError, EOFError) as exc:
+            log.warning("could not read a follower's control report %s: %s", path, exc)
+            report = None
+        self._cache[path] = (stamp, report)
+        return report
+
+    def in_flight(self, instance: str, model: str, epoch: int) -> int | None:
+        """The followers' requests of ``model`` in flight on ``instance``; None while one of
+        them has not applied the drain marks of ``epoch`` yet."""
+        total = 0
+        for path in self.paths:
+            report = self._read(path)
+            if report is None or report.epoch < epoch:
+                return None
+            total += report.in_flight.get((instance, model), 0)
+        return total
 
 
 def adopt_health(fleet: Fleet, verdicts: Mapping[str, HealthVerdict]) -> None:
@@ -184,10 +288,24 @@ class SharedSnapshots:
     verdicts to this worker's fleet.
     """
 
-    def __init__(self, path: Path, fleet: Fleet, interval_s: float) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fleet: Fleet,
+        interval_s: float,
+        *,
+        report_path: Path | None = None,
+        on_state: Callable[[SharedFleetState, bool], None] = lambda state, drains: None,
+    ) -> None:
         self.path = path
         self.fleet = fleet
         self.interval_s = interval_s
+        self.report_path = report_path
+        """Where this follower answers the leader's drain marks (None: it does not)."""
+        self.on_state = on_state
+        """Called with each new state the leader wrote, and whether the drain marks changed
+        (the runtime applies the class factors and pokes its gates)."""
+        self.epoch = 0
         self._snapshots: dict[str, InstanceSnapshot] = {}
         self._seen: tuple[int, int] | None = None
         self._task: object = None
@@ -218,22 +336,40 @@ class SharedSnapshots:
         known = set(self.fleet.instances)
         self._snapshots = {k: v for k, v in state.snapshots.items() if k in known}
         adopt_health(self.fleet, state.health)
+        drains = adopt_draining(self.fleet, state.draining)
+        self.epoch = state.drain_epoch
+        self.on_state(state, drains)
         return True
+
+    def report(self) -> None:
+        """Answer the leader: the drain epoch applied and this worker's requests still in
+        flight on every drained (instance, model)."""
+        if self.report_path is not None:
+            write_state(self.report_path, follower_report(self.fleet, self.epoch))
 
     async def _run(self) -> None:
         import asyncio
 
         while True:
             try:
-                self.refresh()
+                if self.refresh() or any(i.draining for i in self.fleet.all()):
+                    self.report()
             except (OSError, pickle.UnpicklingError, EOFError) as exc:
                 log.warning("could not read the leader's fleet state: %s", exc)
-            await asyncio.sleep(self.interval_s / 2)
+            await asyncio.sleep(self._period())
+
+    def _period(self) -> float:
+        """Half the scrape interval; while a drain is under way, often enough that the leader
+        waits little for this worker's answer."""
+        if any(i.draining for i in self.fleet.all()):
+            return min(self.interval_s / 2, DRAIN_POLL_S)
+        return self.interval_s / 2
 
     async def start(self) -> None:
         import asyncio
 
         self.refresh()
+        self.report()
         self._task = asyncio.create_task(self._run(), name="shared-fleet-reader")
 
     async def stop(self) -> None:

@@ -13,7 +13,10 @@ For each instance that serves the model and runs another window:
 5. wait until the model is ready again, then clear the mark.
 
 An instance is drained only while another healthy instance takes the model's requests; a
-fleet with a single instance is not reloaded (``no_other_instance``). While an instance drains,
+fleet with a single instance is not reloaded (``no_other_instance``). Before each instance is
+drained, ``can_drain`` (the loops' headroom rule, :mod:`proxy.control.headroom`) may defer the
+rest of the change: :attr:`ApplyResult.deferred`, and the instances already changed keep the
+new window. While an instance drains,
 the model's gate counts none of its slots (``ModelGates.capacity``), so the other instances are
 not pushed past theirs: the surplus waits in the class queues, in class order. A server not
 started with ``--model-control-mode=explicit`` refuses the load: :attr:`ApplyResult.refused`.
@@ -26,6 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proxy.control.headroom import Headroom
 from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.model_control import (
     ModelControl,
@@ -47,6 +51,8 @@ class ApplyResult:
     """Why the change stopped before reaching every instance (None: it did)."""
     refused: bool = False
     """The server does not allow model control (not in explicit mode)."""
+    deferred: Headroom | None = None
+    """``can_drain`` said no before an instance was drained (the others lacked headroom)."""
 
 
 class WindowApplier:
@@ -57,11 +63,16 @@ class WindowApplier:
         *,
         on_window: Callable[[str, str, int | None], None] = lambda i, m, w: None,
         on_drain: Callable[[], None] = lambda: None,
+        remote_in_flight: Callable[[str, str], int | None] = lambda i, m: 0,
     ) -> None:
         self.fleet = fleet
         self.control = control
         self.on_drain = on_drain
-        """Called after a drain mark is set or cleared: the gates' capacity changed."""
+        """Called after a drain mark is set or cleared: the gates' capacity changed (and, with
+        workers, the leader publishes the mark)."""
+        self.remote_in_flight = remote_in_flight
+        """(instance, model) -> the model's requests other worker processes still have in
+        flight on the instance; None while one of them has not applied the drain mark yet."""
         self.on_window = on_window
         """Called with (instance, model, window_us) whenever an instance's window is learnt."""
 
@@ -73,7 +84,13 @@ class WindowApplier:
         return window
 
     async def apply(
-        self, model: str, window_us: int, *, drain_timeout_s: float, ready_timeout_s: float
+        self,
+        model: str,
+        window_us: int,
+        *,
+        drain_timeout_s: float,
+        ready_timeout_s: float,
+        can_drain: Callable[[Instance, str], Headroom] | None = None,
     ) -> ApplyResult:
         result = ApplyResult()
         for instance in list(self.fleet.serving(model)):
@@ -96,13 +113,21 @@ class WindowApplier:
             if not others:
                 result.failed = "no_other_instance"
                 return result
+            if can_drain is not None:
+                verdict = can_drain(instance, model)
+                if not verdict.ok:
+                    result.deferred = verdict
+                    result.failed = f"{instance.name}: {verdict.reason}: {verdict.detail}"
+                    return result
             instance.draining.add(model)
             self.on_drain()
             try:
                 if not await self._drained(instance, model, drain_timeout_s):
+                    remote = self.remote_in_flight(instance.name, model)
                     result.failed = (
                         f"{instance.name}: still {instance.model_in_flight.get(model, 0)} "
-                        f"request(s) in flight after {drain_timeout_s:g} s"
+                        f"request(s) in flight after {drain_timeout_s:g} s (other workers: "
+                        f"{'not all answered' if remote is None else remote})"
                     )
                     return result
                 try:
@@ -126,7 +151,10 @@ class WindowApplier:
     async def _drained(self, instance: Instance, model: str, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while instance.model_in_flight.get(model, 0) > 0:
+        while (
+            instance.model_in_flight.get(model, 0) > 0
+            or self.remote_in_flight(instance.name, model) != 0
+        ):
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(_POLL_S)

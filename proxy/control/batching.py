@@ -12,7 +12,8 @@ Inputs, over the loops' sliding window (``control.window_s``):
 - ``q``: Triton's mean queue time per request for the model (``nv_inference_queue_duration_us``
   rate over the scraper's window, averaged over instances).
 - ``b``: the throughput backlog, the mean over the window of (requests of classes without an
-  SLO waiting in the proxy's queue + requests pending in Triton's queues).
+  SLO waiting in the proxy's queue + requests pending in Triton's queues); ``b_now``: the same
+  at this tick (None: not known).
 
 With ``w`` the current window, rules are tried in order (the first that matches decides):
 
@@ -22,10 +23,12 @@ With ``w`` the current window, rules are tried in order (the first that matches 
 3. ``b < backlog_min`` and ``q >= triton_queue_ratio * slo[top]`` -> **shorten**
    (``triton_queue``): without a backlog, Triton's queue time is the window's doing, and it
    eats a large part of the top class's budget.
-4. every SLO class has ``p99[c] <= lengthen_ratio * slo[c]``, ``b >= backlog_min`` and
-   ``q`` is unknown or ``q >= fill_ratio * w`` -> **lengthen** (``backlog``): every SLO holds
-   with margin and there is work to batch. When Triton's mean queue time stays well under the
-   window, batches reach their preferred size before it expires and a longer one buys nothing.
+4. every SLO class has ``p99[c] <= lengthen_ratio * slo[c]``, ``b >= backlog_min``, ``b_now``
+   unknown or ``>= backlog_min``, and ``q`` is unknown or ``q >= fill_ratio * w`` ->
+   **lengthen** (``backlog``): every SLO holds with margin and there is work to batch, over the
+   window and still now (the mean lags: benchmark run 3 lengthened ~8 s after a surge ended, a
+   pair of wasted reloads). When Triton's mean queue time stays well under the window, batches
+   reach their preferred size before it expires and a longer one buys nothing.
 5. ``b < backlog_min / 2`` and ``w > min_us`` -> **shorten** (``idle``): without a backlog a
    longer window only adds waiting.
 
@@ -67,6 +70,7 @@ class BatchingSample:
     slo_classes: Mapping[str, ClassP99]
     triton_queue_us: float | None
     backlog: float
+    backlog_now: float | None = None
 
 
 class BatchingController:
@@ -107,7 +111,8 @@ class BatchingController:
             k.p99_s is None or k.p99_s <= c.lengthen_ratio * k.slo_s for k in s.slo_classes.values()
         )
         filling = q is None or q >= c.fill_ratio * w
-        if holding and filling and s.backlog >= c.backlog_min:
+        present = s.backlog_now is None or s.backlog_now >= c.backlog_min
+        if holding and filling and present and s.backlog >= c.backlog_min:
             return self._step(s, "up", "backlog", f"backlog {s.backlog:.1f}, every slo holds")
         if s.backlog < c.backlog_min / 2 and w > c.min_us:
             return self._step(s, "down", "idle", f"backlog {s.backlog:.1f}")

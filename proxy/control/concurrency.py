@@ -95,7 +95,8 @@ class ConcurrencyLimit:
     _next_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.limit = self.limit or min(self.high, max(self.low, 2 * self.step * 2))
+        # The starting limit (the fixed gate's 2 x B x n unless given), within the bounds.
+        self.limit = min(self.high, max(self.low, self.limit or 2 * self.step * 2))
         self._top = WindowedQuantiles(self.window_s)
         self._other = WindowedQuantiles(self.window_s)
 
@@ -176,7 +177,7 @@ class AdaptiveConcurrency:
                 target_s=self.target_s,
                 decrease=c.decrease,
                 window_s=c.window_s,
-                limit=2.0 * per_batch,
+                limit=2.0 * per_batch,  # clamped to [low, high] by the law
                 ceiling_s=self.ceiling_s,
             )
         return law

@@ -29,6 +29,8 @@
         triton_queue_ratio: 0.5
         fill_ratio: 0.5
         backlog_min: 1.0
+        headroom: true        # drain an instance only when the others can carry the load
+        headroom_ratio: 0.8   # ... at this fraction of their slots and time
         drain_timeout_s: 10.0
         ready_timeout_s: 60.0
 
@@ -90,6 +92,11 @@ class BatchingConfig:
     (below it, batches fill before the window expires)."""
     backlog_min: float = 1.0
     """Mean throughput backlog (requests) over the window needed to lengthen."""
+    headroom: bool = True
+    """Defer a change while the other instances cannot carry the model's load without the one
+    to drain (:mod:`proxy.control.headroom`)."""
+    headroom_ratio: float = 0.8
+    """The others must carry the load within this fraction of their slots and of their time."""
     drain_timeout_s: float = 10.0
     """Longest wait for an instance's requests of the model to finish before its reload; past
     it, that instance's change is called off (and retried after the dwell)."""
@@ -112,6 +119,8 @@ class BatchingConfig:
             raise ValueError("need triton_queue_ratio > 0 and fill_ratio >= 0")
         if self.backlog_min <= 0:
             raise ValueError("backlog_min must be > 0")
+        if self.headroom_ratio <= 0:
+            raise ValueError("headroom_ratio must be > 0")
         if self.drain_timeout_s <= 0 or self.ready_timeout_s <= 0:
             raise ValueError("drain_timeout_s and ready_timeout_s must be > 0")
 

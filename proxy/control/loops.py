@@ -6,6 +6,15 @@ pending requests) once per ``tick_s``, and hands each decision to the gate (clas
 the :class:`~proxy.control.apply.WindowApplier` (batching window, in a background task, one
 model at a time). Every decision is counted, exported and logged with its reason.
 
+A window change waits for headroom (:mod:`proxy.control.headroom`): while the other instances
+could not carry the model's load without the one to drain, the change is deferred (counted once
+per episode as ``reason="no_headroom"``, logged once, exported as
+``triton_proxy_control_deferred_seconds``) and tried again at every tick; the dwell starts only
+when a change goes ahead. An episode ends when the change goes ahead, or when the loop has not
+wanted it for ``window_s`` (so a condition that flickers from tick to tick is one episode). A
+change that stopped part way (deferred between two instances, or failed) is resumed at a later
+tick (at once when headroom returns; after ``dwell_s`` after a failure).
+
 Only the leader runs the loops (``is_leader``, injected; every process but one sees False).
 """
 
@@ -15,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.clock import Clock
@@ -24,7 +33,8 @@ from proxy.control.batching import BatchingController, BatchingSample, ClassP99
 from proxy.control.class_limits import ClassLimitController
 from proxy.control.config import ControlConfig
 from proxy.control.decision import Decision
-from proxy.fleet.instances import Fleet
+from proxy.control.headroom import Headroom, InstanceLoad, busy_share, check_all
+from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.model_control import ModelControlError
 from proxy.fleet.snapshot import InstanceSnapshot
 from proxy.observer import RequestRecord
@@ -37,6 +47,8 @@ log = logging.getLogger("proxy.control")
 
 MISS_FACTOR = 10.0
 """A shed or failed request of an SLO class is recorded as this many times its SLO."""
+OFF_REASONS = ("refused", "no_dynamic_batching")
+"""Why the batching-window loop gives up on a model (``triton_proxy_control_off_total``)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,15 @@ class ControlLoops:
         self.roles = ClassRoles.of(scheduling)
         self._latency: dict[tuple[str, str], WindowedQuantiles] = {}
         self._backlog: dict[str, deque[tuple[float, float]]] = {}
+        self._load: dict[str, deque[tuple[float, float]]] = {}
+        """Per model: (time, requests in flight on its instances + queued in the proxy)."""
+        self._deferred: dict[str, float] = {}
+        """Models whose window change waits for headroom -> since when (clock seconds)."""
+        self._unwanted: dict[str, float] = {}
+        """Deferred models whose change the loop stopped wanting -> since when; the episode
+        ends after ``window_s`` of that, so a flickering condition is one episode."""
+        self._retry_at: dict[str, float] = {}
+        """Models whose last change stopped part way -> earliest time to resume it."""
         self._limits: dict[str, ClassLimitController] = {}
         self._batching: dict[str, BatchingController] = {}
         self.window_target: dict[str, int] = {}
@@ -165,6 +186,9 @@ class ControlLoops:
         if not config.batching.enabled:
             self._batching.clear()
             self.window_target.clear()
+            self._deferred.clear()
+            self._unwanted.clear()
+            self._retry_at.clear()
         self._off.clear()  # a new policy may name other models; give each one a new try
 
     def _reset_limits(self) -> None:
@@ -229,14 +253,103 @@ class ControlLoops:
         if gate is not None:
             queued = sum(gate.queued(c) for c in roles.throughput)
         pending = sum(s.model(model).pending for s in snaps.values())
-        d = self._backlog.setdefault(model, deque())
-        d.append((now, queued + pending))
+        self._append(self._backlog, model, now, queued + pending)
+        self._append(self._load, model, now, self._load_now(model, gates))
+
+    def _append(
+        self, series: dict[str, deque[tuple[float, float]]], model: str, now: float, v: float
+    ) -> None:
+        d = series.setdefault(model, deque())
+        d.append((now, v))
         while d and d[0][0] <= now - self.config.window_s:
             d.popleft()
 
     def backlog(self, model: str) -> float:
         d = self._backlog.get(model)
         return sum(v for _, v in d) / len(d) if d else 0.0
+
+    def _load_now(self, model: str, gates: ModelGates | None) -> int:
+        """``L_now``: the model's requests in flight on its instances + queued in the proxy."""
+        gate = gates.gates.get(model) if gates is not None else None
+        queued = gate.queued() if gate is not None else 0
+        return queued + sum(i.model_in_flight.get(model, 0) for i in self.fleet.all())
+
+    def headroom(self, model: str, drains: Sequence[str]) -> Headroom:
+        """The headroom rule (:func:`proxy.control.headroom.check_all`) for draining each of
+        ``drains`` in turn, on the proxy's view of the model's instances now."""
+        gates = self.gates()
+        info = gates.info(model) if gates is not None else None
+        snaps = self.snapshots()
+        loads = []
+        for inst in self.fleet.serving(model):
+            if model in inst.draining:
+                continue
+            busy = None
+            snap = snaps.get(inst.name)
+            if snap is not None and info is not None:
+                m = snap.model(model)
+                busy = busy_share(m.exec_rate, m.compute_us, info.model_instances)
+            loads.append(
+                InstanceLoad(
+                    inst.name,
+                    inst.model_in_flight.get(model, 0),
+                    gates.slot_limit(inst.name, model) if gates is not None else None,
+                    busy,
+                )
+            )
+        d = self._load.get(model)
+        mean = sum(v for _, v in d) / len(d) if d else 0.0
+        load = max(float(self._load_now(model, gates)), mean)
+        return check_all(drains, loads, load, self.config.batching.headroom_ratio)
+
+    def _to_drain(self, model: str, window_us: int) -> list[str]:
+        """Instances serving ``model`` whose window is not ``window_us`` (or not known)."""
+        return [
+            i.name
+            for i in self.fleet.serving(model)
+            if self.windows.get((i.name, model)) != window_us
+        ]
+
+    def _behind(self, model: str, window_us: int) -> bool:
+        """Some instance is known to run another window than the model's target."""
+        return any(
+            self.windows.get((i.name, model), window_us) != window_us
+            for i in self.fleet.serving(model)
+        )
+
+    @property
+    def deferred(self) -> Mapping[str, float]:
+        """Models whose window change waits for headroom -> since when."""
+        return dict(self._deferred)
+
+    def _defer(self, model: str, direction: str, change: str, verdict: Headroom) -> None:
+        """A window change waits for headroom: counted and logged once per episode."""
+        self._unwanted.pop(model, None)
+        if model in self._deferred:
+            return
+        self._deferred[model] = self.clock.now()
+        dry = self.config.dry_run
+        counter = self.telemetry.control_dry_run_decisions if dry else self.telemetry.control
+        counter.labels("batching", model, direction, "no_headroom").inc()
+        log.info(
+            "%sbatching %s * %s deferred: no_headroom (%s: %s)",
+            "dry run: " if dry else "",
+            model,
+            change,
+            verdict.reason,
+            verdict.detail,
+        )
+
+    def _end_deferral(self, model: str, why: str) -> None:
+        self._unwanted.pop(model, None)
+        since = self._deferred.pop(model, None)
+        if since is not None:
+            log.info(
+                "batching %s: %s after %.0f s without headroom",
+                model,
+                why,
+                self.clock.now() - since,
+            )
 
     def _tick_limits(
         self, model: str, roles: ClassRoles, gates: ModelGates | None, now: float
@@ -267,6 +380,7 @@ class ControlLoops:
             return
         current = self.window_target.get(model)
         if current is None:
+            self._export_zero_failures(model)
             current = await self._read_window(model)
             if current is None:
                 return
@@ -285,17 +399,51 @@ class ControlLoops:
             },
             triton_queue_us=sum(known) / len(known) if known else None,
             backlog=self.backlog(model),
+            backlog_now=self._backlog[model][-1][1] if self._backlog.get(model) else None,
         )
         d = ctl.observe(sample, now)
         if d is None:
+            if self.config.dry_run or not self._behind(model, current):
+                if model in self._deferred:
+                    since = self._unwanted.setdefault(model, now)
+                    if now - since >= self.config.window_s:
+                        self._end_deferral(model, f"change not wanted for {now - since:.0f} s")
+                return
+            # An earlier change stopped part way: finish it, when headroom allows.
+            if now < self._retry_at.get(model, now):
+                return
+            if cfg.headroom:
+                verdict = self.headroom(model, self._to_drain(model, current))
+                if not verdict.ok:
+                    self._defer(model, self._direction(model, current), "rollout", verdict)
+                    return
+            self._end_deferral(model, "rollout resumed")
+            log.info("batching %s: resuming the change to %g ms", model, current / 1e3)
+            self._start_apply(model, current)
             return
+        new = int(d.new)
+        change = f"{d.old / 1e3:g} ms -> {d.new / 1e3:g} ms"
+        if cfg.headroom:
+            verdict = self.headroom(model, self._to_drain(model, new))
+            if not verdict.ok:
+                self._defer(model, d.direction, change, verdict)
+                return
+        self._end_deferral(model, "headroom back")
         ctl.changed(now)
-        self.window_target[model] = int(d.new)
-        self._report(d, f"{d.old / 1e3:g} ms -> {d.new / 1e3:g} ms")
+        self.window_target[model] = new
+        self._report(d, change)
         if not self.config.dry_run:
-            self._applying[model] = asyncio.create_task(
-                self.apply_window(model, int(d.new)), name=f"control-window-{model}"
-            )
+            self._start_apply(model, new)
+
+    def _start_apply(self, model: str, window_us: int) -> None:
+        self._retry_at.pop(model, None)
+        self._applying[model] = asyncio.create_task(
+            self.apply_window(model, window_us), name=f"control-window-{model}"
+        )
+
+    def _direction(self, model: str, window_us: int) -> str:
+        olds = [w for (_, m), w in self.windows.items() if m == model and w != window_us]
+        return "up" if olds and window_us > olds[0] else "down"
 
     async def _read_window(self, model: str) -> int | None:
         for instance in self.fleet.healthy():
@@ -324,14 +472,28 @@ class ControlLoops:
         if model in self._off:
             return
         cfg = self.config.batching
+
+        def can_drain(instance: Instance, m: str) -> Headroom:
+            return self.headroom(m, [instance.name])
+
         try:
             result = await self.applier.apply(
                 model,
                 window_us,
                 drain_timeout_s=cfg.drain_timeout_s,
                 ready_timeout_s=cfg.ready_timeout_s,
+                can_drain=can_drain if cfg.headroom else None,
             )
-            if result.refused:
+            if result.deferred is not None:
+                # Resumed by a later tick once the others have headroom again.
+                self._defer(model, self._direction(model, window_us), "rollout", result.deferred)
+                log.info(
+                    "batching window of %s is %g ms on %s so far; the rest waits for headroom",
+                    model,
+                    window_us / 1e3,
+                    ", ".join(result.changed) or "none",
+                )
+            elif result.refused:
                 self._turn_off(
                     model,
                     "refused",
@@ -340,8 +502,9 @@ class ControlLoops:
                 )
                 self.window_target.pop(model, None)
             elif result.failed is not None:
-                # The next tick re-reads the window Triton runs (the dwell still applies).
+                # The next tick re-reads the window Triton runs; a resume waits for the dwell.
                 self.window_target.pop(model, None)
+                self._retry_at[model] = self.clock.now() + cfg.dwell_s
                 self.telemetry.control_apply_failures.labels("batching", model).inc()
                 log.warning(
                     "batching window of %s not applied everywhere (%s); changed on: %s",
@@ -359,10 +522,19 @@ class ControlLoops:
         except (ModelControlError, OSError, ValueError) as exc:
             # A background change must not die unseen; the next tick re-reads the window.
             self.window_target.pop(model, None)
+            self._retry_at[model] = self.clock.now() + cfg.dwell_s
             self.telemetry.control_apply_failures.labels("batching", model).inc()
             log.error("batching window change of %s failed: %s", model, exc)
         finally:
             self._applying.pop(model, None)
+
+    def _export_zero_failures(self, model: str) -> None:
+        """Failure counters of a model the loop looks after exist from the start, at 0, as
+        Prometheus advises for labels known in advance: a panel or alert on them then shows 0
+        rather than no data, and ``increase()`` sees their first failure."""
+        self.telemetry.control_apply_failures.labels("batching", model)
+        for reason in OFF_REASONS:
+            self.telemetry.control_off.labels("batching", model, reason)
 
     def _turn_off(self, model: str, reason: str, why: str) -> None:
         if model in self._off:
@@ -387,6 +559,13 @@ class ControlLoops:
         )
 
     # --- export ---------------------------------------------------------------------------
+    def applied_scales(self) -> dict[str, dict[str, float]]:
+        """Model -> class -> the factor this process's loop applied to its gate (none in dry
+        run): what the leader worker hands to the other workers (:mod:`proxy.workers`)."""
+        if self.config.dry_run or not self.config.class_limits.enabled:
+            return {}
+        return {m: dict(c.factors) for m, c in self._limits.items() if c.factors}
+
     def class_limits(self) -> list[tuple[str, str, float]]:
         """(model, class, share of the slots the class may hold) for every class below the top
         one: its ``max_share`` times the loop's factor (in dry run: the factor it would set)."""

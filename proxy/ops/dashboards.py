@@ -15,13 +15,11 @@ Where the numbers come from:
 - each Triton server's ``/metrics`` (``nv_inference_*``, ``nv_gpu_*``, ``nv_cpu_*``), scraped
   with ``instance`` set to the same name as in the policy, so both sides join on ``instance``.
 
-Two explicit lists keep panels out of the pass/fail set of the Prometheus proof
+One explicit list keeps panels out of the pass/fail set of the Prometheus proof
 (``tests/integration/test_dashboards_prometheus.py``), which reports them instead:
-
-- :data:`PENDING_METRICS`: the control loops' metrics that issues 10 and 11 will export. The
-  *control* dashboard is built on these names; until they exist its panels show no data, and
-  the proof checks that their queries parse and says "pending: metric not exported yet".
-- :data:`GPU_METRICS`: Triton exports ``nv_gpu_*`` only where it sees a GPU.
+:data:`GPU_METRICS`, since Triton exports ``nv_gpu_*`` only where it sees a GPU. Every other
+query must return data there, the control dashboard's included (the proof runs the control
+loops in dry run).
 """
 
 from __future__ import annotations
@@ -40,36 +38,12 @@ DASHBOARD_DIR = ROOT / "docker" / "grafana" / "dashboards"
 SCHEMA_VERSION = 39
 RATE = "$__rate_interval"
 
-PENDING_METRICS: dict[str, str] = {
-    "triton_proxy_batching_window_seconds": (
-        "issue 11: the window each instance runs for the model {model,instance}"
-    ),
-    "triton_proxy_batching_window_target_seconds": (
-        "issue 11: the window the batching-window loop wants for the model {model}"
-    ),
-    "triton_proxy_class_limit": "issue 11: a class's share of the model's slots {model,class}",
-    "triton_proxy_adaptive_concurrency": (
-        "issue 10: requests of the model the instance may hold {model,instance}"
-    ),
-    "triton_proxy_control_decisions_total": (
-        "issues 10/11: changes made by the loops {loop,model,direction,reason}"
-    ),
-    "triton_proxy_control_apply_failures_total": (
-        "issue 11: changes not applied on every instance (drain timeout, load error) {loop,model}"
-    ),
-    "triton_proxy_control_off_total": (
-        "issue 11: a loop gave up on a model {loop,model,reason}; reason refused = Triton is "
-        "not in explicit model control mode"
-    ),
-}
-"""Metrics the control dashboard and alerts use before the proxy exports them (issues 10, 11)."""
-
 GPU_METRICS = frozenset(
     {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
 )
 """Triton exports these only where it sees a GPU."""
 
-Requirement = Literal["pending", "gpu"]
+Requirement = Literal["gpu"]
 _METRIC = re.compile(r"\b((?:triton_proxy|nv)_[a-zA-Z0-9_:]*)")
 
 
@@ -79,10 +53,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def requirement(expr: str) -> Requirement | None:
-    """Why a query may return nothing yet: ``pending`` (issues 10/11) or ``gpu``; else None."""
+    """Why a query may rightly return nothing: ``gpu`` (no GPU, no ``nv_gpu_*``); else None."""
     names = metric_names(expr)
-    if names & PENDING_METRICS.keys():
-        return "pending"
     if names & GPU_METRICS:
         return "gpu"
     return None
@@ -559,9 +531,8 @@ def control() -> Dashboard:
     return Dashboard(
         uid="triton-proxy-control",
         title="triton-proxy / Control loops",
-        description="The SLO control loops (issues 10 and 11), on the metric names main "
-        "exports. On a build without them the panels show no data: see PENDING_METRICS in "
-        "proxy/ops/dashboards.py.",
+        description="The SLO control loops (docs/control.md): batching windows, class limits, "
+        "adaptive concurrency and every decision, made or (in dry run) only reported.",
         variables=("model", "class", "instance"),
         rows=(
             Row(
@@ -576,8 +547,8 @@ def control() -> Dashboard:
                             ),
                         ),
                         unit="s",
-                        description="Triton's max_queue_delay_microseconds as set by the "
-                        "batching-window loop (pending: issue 11).",
+                        description="Triton's max_queue_delay_microseconds on each instance, as "
+                        "the batching-window loop last read or set it.",
                     ),
                     Panel(
                         "Class limits",
@@ -587,7 +558,9 @@ def control() -> Dashboard:
                                 "{{model}} {{class}}",
                             ),
                         ),
-                        description="Pending: issue 11.",
+                        description="Share of the model's slots each class below the top one "
+                        "may hold: max_share x the class-limit loop's factor (in dry run: what it "
+                        "would set).",
                     ),
                     Panel(
                         "Adaptive concurrency per instance",
@@ -602,8 +575,8 @@ def control() -> Dashboard:
                             ),
                         ),
                         dashed="gate capacity",
-                        description="Pending: issue 10. Dashed: the model gate's dispatch slots "
-                        "(exported now).",
+                        description="Slots adaptive concurrency gives each instance for the model. "
+                        "Dashed: the model gate's dispatch slots.",
                     ),
                 ),
             ),
@@ -615,11 +588,16 @@ def control() -> Dashboard:
                         (
                             Target(
                                 "sum by (loop, direction, reason) (increase("
-                                f"{sel('triton_proxy_control_decisions_total', 'model')}[{RATE}]))",
-                                "{{loop}} {{direction}} {{reason}}",
+                                f"{sel('triton_proxy_control_decisions_total', 'model')}[{RATE}]))"
+                                " or label_replace(sum by (loop, direction, reason) (increase("
+                                f"{sel('triton_proxy_control_dry_run_decisions_total', 'model')}"
+                                f'[{RATE}])), "mode", "dry run", "", "")',
+                                "{{loop}} {{direction}} {{reason}} {{mode}}",
                             ),
                         ),
-                        description="Pending: issues 10/11.",
+                        dashed=".* dry run$",
+                        description="Changes the loops made; dashed: those they would have made "
+                        "(control.dry_run).",
                     ),
                     Panel(
                         "Batching window: wanted against what each instance runs",

@@ -6,8 +6,8 @@
 Each panel's queries run through Prometheus' HTTP API (``/api/v1/query_range``) with the
 dashboard variables set to "All" (or to ``--var name=regex``) and ``$__rate_interval`` set to
 ``--rate-interval``; the panels keep their Grafana layout (``gridPos``), titles, legends, units
-and dashed series. A panel built on a metric that is not exported yet says so
-(:data:`proxy.ops.dashboards.PENDING_METRICS`), as does one whose query returned nothing.
+and dashed series. A panel on Triton's GPU metrics says why it is empty on a machine without a
+GPU, and any other panel whose queries returned nothing says "no data".
 Needs matplotlib (the ``bench`` extra).
 """
 
@@ -141,10 +141,7 @@ def collect(
                 if s.finite():
                     data.lines.append((legend(target.get("legendFormat", ""), s.labels), s))
             why = dashboards.requirement(target["expr"])
-            if why == "pending" and not any(s.finite() for s in series):
-                names = dashboards.metric_names(target["expr"]) & dashboards.PENDING_METRICS.keys()
-                data.notes.append(f"pending: {', '.join(sorted(names))} not exported yet")
-            elif why == "gpu" and not any(s.finite() for s in series):
+            if why == "gpu" and not any(s.finite() for s in series):
                 data.notes.append("no GPU: Triton exports nv_gpu_* only where it sees one")
         if panel["type"] != "row" and not data.lines and not data.notes:
             data.notes.append("no data")

@@ -256,10 +256,12 @@ class SchedulingConfig:
     """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
     or :func:`derive_concurrency` from the model when that is disabled."""
     shed_late: bool = False
-    """Deadline admission: shed at once a request of a class with ``slo_p99_ms`` that is
-    predicted to be answered after it, instead of serving it late
-    (:mod:`proxy.scheduling.lateness`). Off by default: in issue 10's benchmark case it shed
-    43% of real-time requests at half the FIFO capacity (docs/benchmarks.md)."""
+    """Deadline admission: shed at once a request predicted to be answered after its budget
+    (its class's ``slo_p99_ms`` or its client's deadline, whichever is earlier), instead of
+    serving it late (:mod:`proxy.scheduling.lateness`). Off, a request is still not sent when
+    its *client deadline* would pass before its answer (abandoned work). Off by default: in
+    issue 10's benchmark case it shed 43% of real-time requests at half the FIFO capacity
+    (docs/benchmarks.md)."""
     adaptive_concurrency: AdaptiveConcurrencyConfig = field(
         default_factory=AdaptiveConcurrencyConfig
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -114,9 +114,14 @@ def exceeded(model: str, waited: str) -> ProxyError:
     )
 
 
+def passed(deadline: float | None, now: float) -> bool:
+    """Whether ``deadline`` (None: none) has passed at ``now``."""
+    return deadline is not None and now >= deadline
+
+
 def check(deadline: float | None, now: float, model: str) -> None:
     """Raise the deadline error when ``deadline`` has passed (the request is not dispatched)."""
-    if deadline is not None and now >= deadline:
+    if passed(deadline, now):
         raise exceeded(model, "before it was dispatched")
 
 
@@ -150,6 +155,20 @@ async def detached(work: Coroutine[Any, Any, T]) -> T:
     task = asyncio.ensure_future(work)
     task.add_done_callback(_retrieve)
     return await asyncio.shield(task)
+
+
+async def apart(work: Coroutine[Any, Any, T], keep: Callable[[], bool]) -> T:
+    """Run ``work`` in a task of its own. Cancelling the caller cancels ``work`` too, unless
+    ``keep()`` says it is unwinding on purpose (a request that keeps its slot while Triton may
+    still be running it), and never waits for it: the caller's client is answered at once."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_retrieve)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not keep():
+            task.cancel()
+        raise
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -27,6 +27,7 @@ from types import TracebackType
 
 from proxy.clock import Clock
 from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.deadline import Budget
 from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
 
@@ -125,15 +126,16 @@ class Ticket:
 class Admission:
     """``async with gate.admit(name) as ticket``: waits for a slot, releases it on exit."""
 
-    __slots__ = ("_class_name", "_gate", "_ticket")
+    __slots__ = ("_class_name", "_deadline", "_gate", "_ticket")
 
-    def __init__(self, gate: Gate, class_name: str) -> None:
+    def __init__(self, gate: Gate, class_name: str, deadline: float | None) -> None:
         self._gate = gate
         self._class_name = class_name
+        self._deadline = deadline
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self._ticket = await self._gate._acquire(self._class_name)
+        self._ticket = await self._gate._acquire(self._class_name, self._deadline)
         return self._ticket
 
     async def __aexit__(
@@ -161,8 +163,12 @@ class Gate:
         self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
         self._capacity = capacity
         self._instances = instances
-        self.lateness = lateness
-        """Deadline admission for classes with an SLO (``scheduling.shed_late``); None: off."""
+        self.lateness = lateness if lateness is not None else LatenessPredictor()
+        """Predicts when a request would be answered. With ``scheduling.shed_late`` it sheds
+        at arrival, and at the head of the queue, what would be answered after its budget
+        (the class SLO or the client's deadline, whichever is earlier); without, only a request
+        whose *client deadline* would pass before its answer is shed at the head of the queue
+        (its client will have gone: serving it would be abandoned work)."""
         self._clock = clock
         self._observer = observer if observer is not None else GateObserver()
         self._order = 0
@@ -176,12 +182,16 @@ class Gate:
     def config(self) -> SchedulingConfig:
         return self._core.config
 
-    def admit(self, class_name: str) -> Admission:
+    def admit(self, class_name: str, deadline: float | None = None) -> Admission:
         """Wait for a slot for ``class_name``; raises :class:`Shed` when turned away.
 
-        A class the config does not know (a reload removed it) counts as the default class.
+        ``deadline``: the client's deadline (a time of the gate's clock), if it gave one. With
+        deadline admission on, the request's budget is the earlier of it and its class's SLO
+        from now (:meth:`Budget.of <proxy.scheduling.deadline.Budget.of>`): one deadline per
+        request, whichever way it was given. A class the config does not know (a reload
+        removed it) counts as the default class.
         """
-        return Admission(self, class_name)
+        return Admission(self, class_name, deadline)
 
     def queued(self, class_name: str | None = None) -> int:
         return self._core.queued(class_name)
@@ -199,6 +209,10 @@ class Gate:
         self._core.set_share_scale(class_name, factor)
         self.poke()
 
+    def share_scale(self, class_name: str) -> float:
+        """The factor :meth:`set_share_scale` last set for the class (1: none)."""
+        return self._core.share_scale(class_name)
+
     def reconfigure(self, config: SchedulingConfig) -> None:
         """Swap in a reloaded section; waiters and in-flight slots carry over."""
         self._core.reconfigure(config)
@@ -213,20 +227,23 @@ class Gate:
             self._timer.cancel()
             self._timer = None
 
-    async def _acquire(self, class_name: str) -> Ticket:
+    async def _acquire(self, class_name: str, client_deadline: float | None) -> Ticket:
         config = self._core.config
         name = class_name if class_name in config.classes else config.default_class
         if self._closed:
             self._observer.on_shed(name, ShedReason.SHUTDOWN)
             raise Shed(ShedReason.SHUTDOWN, config.retry_after_s, name)
-        slo = config.classes[name].slo_p99_ms
-        if self.lateness is not None and slo is not None:
+        now = self._clock.now()
+        budget = self._budget(name, client_deadline, now)
+        budget_s = budget.remaining_s(now)
+        if config.shed_late and budget_s is not None and budget_s > 0:
             ahead = self._core.queued_ahead(name)
-            if self.lateness.shed_at_arrival(ahead, name, slo / 1e3, self._clock.now()):
+            if self.lateness.shed_at_arrival(ahead, name, budget_s, now):
                 self._observer.on_shed(name, ShedReason.LATE)
                 raise Shed(ShedReason.LATE, config.retry_after_s, name)
+        held_to = budget_s if config.shed_late or budget.hard else None
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        result = self._core.push(future, name, self._clock.now())
+        result = self._core.push(future, name, now, held_to)
         for victim in result.evicted:
             self._fail(victim, ShedReason.OVERLOAD)
         if result.entry is None:
@@ -289,15 +306,14 @@ class Gate:
                         self._observer.on_cancel(entry.class_name)
                         continue
                     waited = now - entry.enqueued_at
-                    if self._late(entry.class_name, waited):
+                    if self._late(entry, waited):
                         # Already past saving: its slot goes to the next one instead.
                         self._core.release(entry.class_name)
                         self._fail(entry, ShedReason.LATE)
                         continue
                     ticket = Ticket(self, entry.class_name, waited, self._order)
                     self._order += 1
-                    if self.lateness is not None:
-                        self.lateness.on_dispatch(now)
+                    self.lateness.on_dispatch(now)
                     future.set_result(ticket)
                     self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
                 again = self._pump_again
@@ -305,13 +321,16 @@ class Gate:
         finally:
             self._pumping = False
 
-    def _late(self, class_name: str, waited_s: float) -> bool:
-        if self.lateness is None:
+    def _budget(self, name: str, client_deadline: float | None, now: float) -> Budget:
+        """When the request stops being worth serving: the earlier of the client's deadline
+        and its class's SLO from now."""
+        slo = self._core.config.classes[name].slo_p99_ms
+        return Budget.of(client_deadline, None if slo is None else now + slo / 1e3)
+
+    def _late(self, entry: Entry[asyncio.Future[Ticket]], waited_s: float) -> bool:
+        if entry.budget_s is None:
             return False
-        cls = self._core.config.classes.get(class_name)
-        if cls is None or cls.slo_p99_ms is None:
-            return False
-        return self.lateness.late(waited_s, class_name, cls.slo_p99_ms / 1e3)
+        return self.lateness.late(waited_s, entry.class_name, entry.budget_s)
 
     def _arm_timer(self) -> None:
         deadline = self._core.next_expiry()

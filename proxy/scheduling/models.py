@@ -17,7 +17,6 @@ from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.gate import Admission, Gate, GateObserver
-from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
 
 
@@ -127,6 +126,10 @@ class ModelGates:
             slots = max(1, int(slots * self.share))
         return slots
 
+    def info(self, model: str) -> ModelInfo | None:
+        """The model's batching facts, once its gate exists."""
+        return self._infos.get(model)
+
     def slot_limit(self, instance: str, model: str) -> int | None:
         """Placement's per-instance bound for ``model``, or None before its gate exists."""
         info = self._infos.get(model)
@@ -145,7 +148,7 @@ class ModelGates:
         admission. ``batch_s``: the model's full-batch time when the cost model knows it."""
         info = self._infos.get(model)
         gate = self.gates.get(model)
-        if gate is not None and gate.lateness is not None:
+        if gate is not None:
             gate.lateness.observe_inside(class_name, inside_s)
         if self.adaptive is None or info is None:
             return None
@@ -166,6 +169,12 @@ class ModelGates:
                 gate.poke()  # more slots may dispatch waiters now
         return direction
 
+    def expected_inside_s(self, model: str, class_name: str) -> float:
+        """The mean time a request of the class spends inside Triton for the model (0 until
+        one was answered)."""
+        gate = self.gates.get(model)
+        return gate.lateness.inside(class_name) if gate is not None else 0.0
+
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
@@ -176,14 +185,16 @@ class ModelGates:
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
-                lateness=LatenessPredictor() if self.config.shed_late else None,
             )
         return gate
 
-    def admit(self, model: str, info: ModelInfo, class_name: str) -> ModelAdmission:
-        """``async with``: wait for a slot; gives the Triton priority to set (or None)."""
+    def admit(
+        self, model: str, info: ModelInfo, class_name: str, deadline: float | None = None
+    ) -> ModelAdmission:
+        """``async with``: wait for a slot; gives the Triton priority to set (or None).
+        ``deadline``: the client's, if any (:meth:`Gate.admit`)."""
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
-        return ModelAdmission(self.gate(model, info).admit(class_name), priority)
+        return ModelAdmission(self.gate(model, info).admit(class_name, deadline), priority)
 
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""
@@ -194,11 +205,6 @@ class ModelGates:
             gate.poke()
 
     def reconfigure(self, config: SchedulingConfig) -> None:
-        for gate in self.gates.values():
-            if config.shed_late and gate.lateness is None:
-                gate.lateness = LatenessPredictor()
-            elif not config.shed_late:
-                gate.lateness = None
         if (
             config.adaptive() != self.config.adaptive()
             or config.adaptive_concurrency != self.config.adaptive_concurrency

@@ -64,6 +64,10 @@ class Entry(Generic[T]):
     class_name: str
     enqueued_at: float
     seq: int
+    budget_s: float | None = None
+    """How long after ``enqueued_at`` the request stops being worth serving (its deadline
+    budget, :class:`proxy.scheduling.deadline.Budget`), when the gate holds it to that at the
+    head of its queue; None: it does not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,9 @@ class ClassQueues(Generic[T]):
         if not 0.0 < factor <= 1.0:
             raise ValueError(f"share scale must be in (0, 1], got {factor}")
         self._scale[class_name] = factor
+
+    def share_scale(self, class_name: str) -> float:
+        return self._scale.get(class_name, 1.0)
 
     def _limit(self, name: str, capacity: int, instances: int, now: float) -> int:
         return self._config.classes[name].share_limit(
@@ -144,7 +151,9 @@ class ClassQueues(Generic[T]):
             return self._total_in_flight
         return self._in_flight.get(class_name, 0)
 
-    def push(self, item: T, class_name: str, now: float) -> PushResult[T]:
+    def push(
+        self, item: T, class_name: str, now: float, budget_s: float | None = None
+    ) -> PushResult[T]:
         """Queue ``item`` in ``class_name`` (a configured class, else KeyError), or shed it."""
         queue = self._queues[class_name]
         cls = self._config.classes[class_name]
@@ -161,7 +170,7 @@ class ClassQueues(Generic[T]):
             self._total_queued -= 1
             evicted = (dropped,)
         self._seq += 1
-        entry = Entry(item, class_name, now, self._seq)
+        entry = Entry(item, class_name, now, self._seq, budget_s)
         queue[entry.seq] = entry
         self._total_queued += 1
         return PushResult(entry, None, evicted)

@@ -1,44 +1,56 @@
-"""The control loops' actuators against real Triton servers: drained window reloads, refusal by
-a server without explicit model control, and instance feedback with one instance slowed down.
+"""The control loops against real Triton servers: drained window reloads, refusal by a server
+without explicit model control, instance feedback with one instance slowed down, the class-limit
+loop cutting and releasing the offline class, and dry run changing nothing on the servers.
 
-These tests start their own small fleet (two servers, ``accel_sim`` only) because they change
-model configs, which other tests must not see.
+These tests start their own small fleet (two servers, ``accel_sim`` and ``sleeper``) because
+they change model configs, which other tests must not see.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
+import os
+import queue
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import ModelControl, batching_window_us, with_batching_window
 from proxy.local import LocalFleet, TritonServer, group_members, sigterm_raises_exit
 from proxy.observer import RequestRecord
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, policy_for, running_proxy
 
 pytestmark = pytest.mark.integration
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MODEL = "accel_sim"
 DEFAULT_WINDOW_US = 2000
+SLEEPER = "sleeper"
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
     log_dir = tmp_path_factory.mktemp("control-logs")
-    f = LocalFleet(2, MODEL_REPOSITORY, (MODEL,), log_dir)
+    f = LocalFleet(2, MODEL_REPOSITORY, (MODEL, SLEEPER), log_dir)
     with sigterm_raises_exit():
         f.start(timeout_s=240)
         try:
@@ -233,6 +245,9 @@ def test_control_loop_lengthens_then_shortens_the_window(fleet: LocalFleet) -> N
                 "max_us": 4000,
                 "backlog_min": 1.0,
                 "fill_ratio": 0.0,  # the fill rule has its unit tests; here any queue will do
+                # 8 clients on 2 x 2 slots: no instance could ever be spared; the headroom
+                # rule has its unit tests, this test is about the window moving both ways.
+                "headroom": False,
             },
         },
     }
@@ -361,3 +376,432 @@ def test_refused_without_explicit_model_control(
         for server in f.servers:
             assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
             assert with_batching_window(triton_config(server), 1)  # still batching
+
+
+def proxy_metrics(proxy: ProxyThread) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The proxy's own /metrics endpoint over HTTP: family sample name -> labels -> value."""
+    assert proxy.ports and proxy.ports.metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def sleeper_loop(url: str, clients: int, delay_ms: list[int], stop: threading.Event,
+                 out: Traffic) -> None:  # fmt: skip
+    """Closed-loop ``sleeper`` requests of the default class; each sleeps ``delay_ms[0]``."""
+
+    def loop() -> None:
+        with httpclient.InferenceServerClient(url, network_timeout=60) as c:
+            while not stop.is_set():
+                i = httpclient.InferInput("DELAY_MS", [1, 1], "INT32")
+                i.set_data_from_numpy(np.array([[delay_ms[0]]], dtype=np.int32))
+                began = time.monotonic()
+                try:
+                    c.infer(SLEEPER, [i])
+                except Exception as exc:
+                    out.errors.append(repr(exc))
+                    continue
+                out.latencies.append((began, time.monotonic() - began))
+
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(loop) for _ in range(clients)]:
+            f.result()
+
+
+def test_class_limit_loop_cuts_offline_and_releases_it(fleet: LocalFleet) -> None:
+    """The realtime class's P99 driven above its SLO (sleeper requests of 400 ms against a
+    200 ms SLO) cuts offline's share step by step down to its floor, as the proxy's /metrics
+    shows; once the realtime requests are fast again the share comes back to its maximum."""
+    policy = {
+        "scheduling": {
+            "default_class": "realtime",
+            "api_keys": {"off-key": {"class_name": "offline"}},
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 200},
+                "offline": {"rank": 1, "triton_priority": 2, "max_share": 0.8},
+            },
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "class_limits": {
+                "enabled": True,
+                "interval_s": 0.5,
+                "decrease_factor": 0.5,
+                "increase_step": 0.25,
+                "min_factor": 0.1,
+            },
+        },
+    }
+    key = (("class", "offline"), ("model", SLEEPER))
+    with running_proxy(fleet.servers, policy) as proxy:
+        delay = [400]
+        traffic = Traffic()
+        stop = threading.Event()
+        sender = threading.Thread(target=sleeper_loop, args=(proxy.http, 4, delay, stop, traffic))
+        sender.start()
+        seen: list[float] = []
+        try:
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                value = proxy_metrics(proxy).get("triton_proxy_class_limit", {}).get(key)
+                if value is not None and (not seen or value != seen[-1]):
+                    seen.append(value)
+                if value is not None and value <= 0.08 + 1e-9:
+                    break
+                time.sleep(0.1)
+            cut = list(seen)
+            delay[0] = 1  # the realtime class recovers
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                value = proxy_metrics(proxy)["triton_proxy_class_limit"][key]
+                if value != seen[-1]:
+                    seen.append(value)
+                if value >= 0.8 - 1e-9:
+                    break
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            sender.join(120)
+        assert not traffic.errors, traffic.errors[:3]
+        print(f"\nclass limit of offline on {SLEEPER} as /metrics showed it: {seen}")
+        # Cut: 0.8 x 1 -> 0.8 x 0.5 -> ... down to 0.8 x min_factor, never up on the way.
+        assert cut[-1] == pytest.approx(0.08), seen
+        assert all(b < a for a, b in itertools.pairwise(cut)), seen
+        assert len(cut) >= 3, seen  # it went down in steps (AIMD), not in one jump
+        # Released: back to max_share, in additive steps.
+        released = seen[len(cut) - 1 :]
+        assert released[-1] == pytest.approx(0.8), seen
+        assert all(b > a for a, b in itertools.pairwise(released)), seen
+        decisions = proxy_metrics(proxy)["triton_proxy_control_decisions_total"]
+
+        def count(direction: str, reason: str) -> float:
+            k = (("direction", direction), ("loop", "class_limits"), ("model", SLEEPER),
+                 ("reason", reason))  # fmt: skip
+            return decisions.get(k, 0.0)
+
+        # 1 -> 0.5 -> 0.25 -> 0.125 -> 0.1; 0.1 -> 0.35 -> 0.6 -> 0.85 -> 1.
+        assert count("down", "slo_violation") + count("down", "slo_approach") == 4, decisions
+        assert count("up", "slo_recovered") == 4, decisions
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def triton_successes(server: TritonServer) -> int:
+    with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
+        stats = c.get_inference_statistics(MODEL)
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -> None:
+    """With ``dry_run: true`` the batching loop decides to lengthen the window (an offline
+    backlog, the realtime SLO holding): the decision is logged and exported, and yet Triton's
+    config is what it was and the model was never reloaded (Triton's success counters, which a
+    reload sets back to zero, only grew by what the proxy sent)."""
+    policy = {
+        "scheduling": {
+            "concurrency": 2,
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
+                "offline": {"rank": 1, "triton_priority": 2},
+            },
+            "default_class": "offline",
+        },
+        "control": {
+            "dry_run": True,
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "batching": {
+                "enabled": True,
+                "dwell_s": 0.5,
+                "min_us": 1000,
+                "max_us": 4000,
+                "backlog_min": 1.0,
+                "fill_ratio": 0.0,
+                # A would-be change, not a would-be deferral (those have their unit tests).
+                "headroom": False,
+            },
+        },
+    }
+    before = {s.name: triton_successes(s) for s in fleet.servers}
+    for server in fleet.servers:
+        assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
+    lines = Lines()
+    logger = logging.getLogger("proxy.control")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        with running_proxy(fleet.servers, policy) as proxy:
+            rt = proxy.runtime
+            recorder = Recorder()
+            rt.observers.add(recorder)
+            reloads = record_reloads(rt.model_control, rt.clock)
+            traffic = Traffic()
+            stop = threading.Event()
+            sender = threading.Thread(target=closed_loop, args=(proxy.http, 8, stop, traffic))
+            sender.start()
+            try:
+                deadline = time.monotonic() + 45
+                while time.monotonic() < deadline and rt.control.window_target.get(MODEL) != 4000:
+                    time.sleep(0.2)
+                metrics = proxy_metrics(proxy)  # before the backlog goes (then: idle)
+            finally:
+                stop.set()
+                sender.join(120)
+            answered = {
+                s.name: sum(1 for r in recorder.records if r.instance == s.name and r.succeeded)
+                for s in fleet.servers
+            }
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(old_level)
+    assert not traffic.errors, traffic.errors[:3]
+    # Decided, logged and exported ...
+    dry = metrics.get("triton_proxy_control_dry_run_decisions_total", {})
+    up = (("direction", "up"), ("loop", "batching"), ("model", MODEL), ("reason", "backlog"))
+    assert dry.get(up, 0) >= 1, dry
+    assert not any(
+        dict(k).get("loop") == "batching"
+        for k in metrics.get("triton_proxy_control_decisions_total", {})
+    )
+    assert metrics["triton_proxy_batching_window_target_seconds"] == {(("model", MODEL),): 0.004}
+    assert metrics["triton_proxy_control_dry_run"] == {(): 1.0}
+    would = [x for x in lines.lines if x.startswith("dry run: would change batching accel_sim")]
+    assert any("2 ms -> 4 ms: backlog" in x for x in would), lines.lines
+    # ... and nothing changed on the servers.
+    assert reloads.spans == []
+    assert all(v == 0.002 for v in metrics["triton_proxy_batching_window_seconds"].values())
+    for server in fleet.servers:
+        assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
+        after = triton_successes(server)
+        assert after >= before[server.name] + answered[server.name], (server.name, after)
+    assert sum(answered.values()) > 0
+
+
+# -- the loops with --workers 2: the leader's class factors and drain marks reach the other --
+
+
+@contextlib.contextmanager
+def serve_workers(servers: Sequence[TritonServer], policy: dict[str, Any], tmp: Path
+                  ) -> Iterator[tuple[str, str, list[str]]]:  # fmt: skip
+    """``triton-proxy serve --workers 2`` in a child process; yields (HTTP address, merged
+    metrics URL, its output lines so far)."""
+    path = tmp / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_for(servers, policy), sort_keys=False))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--workers", "2", "--policy", str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    got: queue.Queue[str] = queue.Queue()
+
+    def read(stdout: IO[str]) -> None:
+        # Every line is kept (and the pipe never fills, so the proxy never blocks on it).
+        for line in stdout:
+            lines.append(line)
+            got.put(line)
+
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True).start()
+    try:
+        http = metrics = ""
+        workers = False
+        deadline = time.monotonic() + 60
+        while not (http and metrics and workers):
+            assert proc.poll() is None, f"the proxy exited: {lines}"
+            try:
+                line = got.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no banner: {lines}") from None
+            if "ready: HTTP localhost:" in line:
+                http = f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+            elif line.strip().startswith("metrics http://localhost:"):
+                metrics = line.strip().split()[1].replace("localhost", "127.0.0.1")
+            elif "worker processes" in line:
+                workers = True
+        yield http, metrics, lines
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0, "".join(lines[-30:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def worker_metrics(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def scales_by_worker(url: str, model: str, klass: str) -> dict[str, float]:
+    got = worker_metrics(url).get("triton_proxy_class_share_scale", {})
+    return {
+        dict(k)["worker"]: v
+        for k, v in got.items()
+        if dict(k).get("model") == model and dict(k).get("class") == klass
+    }
+
+
+def test_workers_share_the_leaders_class_limits(fleet: LocalFleet, tmp_path: Path) -> None:
+    """With two worker processes the class-limit loop runs in the leader (from its own share
+    of the requests); the follower applies the leader's factor to its own gate, as each
+    worker's ``triton_proxy_class_share_scale`` in the merged /metrics shows, and releases it
+    with the leader."""
+    policy = {
+        "scrape": {"interval_s": 0.5, "window_s": 2.0},
+        "scheduling": {
+            "default_class": "realtime",
+            "api_keys": {"off-key": {"class_name": "offline"}},
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 200},
+                "offline": {"rank": 1, "triton_priority": 2, "max_share": 0.8},
+            },
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "class_limits": {"enabled": True, "interval_s": 0.5, "increase_step": 0.25},
+        },
+    }
+    with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics, _):
+        delay = [400]
+        traffic = Traffic()
+        stop = threading.Event()
+        # 8 clients, one connection each: the kernel spreads them over both workers.
+        sender = threading.Thread(target=sleeper_loop, args=(http, 8, delay, stop, traffic))
+        sender.start()
+        try:
+            deadline = time.monotonic() + 40
+            cut: dict[str, float] = {}
+            while time.monotonic() < deadline:
+                cut = scales_by_worker(metrics, SLEEPER, "offline")
+                if set(cut) == {"0", "1"} and max(cut.values()) <= 0.1 + 1e-9:
+                    break
+                time.sleep(0.2)
+            delay[0] = 1
+            deadline = time.monotonic() + 40
+            released: dict[str, float] = {}
+            while time.monotonic() < deadline:
+                released = scales_by_worker(metrics, SLEEPER, "offline")
+                if released and min(released.values()) >= 1.0:
+                    break
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            sender.join(120)
+    assert not traffic.errors, traffic.errors[:3]
+    print(f"\nworkers: offline share scale cut to {cut}, released to {released}")
+    assert cut == {"0": pytest.approx(0.1), "1": pytest.approx(0.1)}
+    assert released == {"0": 1.0, "1": 1.0}
+
+
+def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path) -> None:
+    """A window change made by the leader worker under traffic that reaches both workers: the
+    follower applies each drain mark (its own ``triton_proxy_instance_draining`` in the merged
+    /metrics), the change reaches both servers, and no request fails."""
+    policy = {
+        "scrape": {"interval_s": 0.5, "window_s": 2.0},
+        "scheduling": {
+            "concurrency": 2,
+            "classes": {
+                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
+                "offline": {"rank": 1, "triton_priority": 2},
+            },
+            "default_class": "offline",
+        },
+        "control": {
+            "tick_s": 0.2,
+            "window_s": 2.0,
+            "min_samples": 5,
+            "batching": {
+                "enabled": True,
+                "models": [MODEL],
+                "dwell_s": 30.0,  # one change in this test
+                "min_us": DEFAULT_WINDOW_US,  # never shortened (idle, before the traffic)
+                "max_us": 4000,
+                "backlog_min": 1.0,
+                "fill_ratio": 0.0,
+                "headroom": False,  # 8 clients on 2 x 2 slots: never room otherwise
+            },
+        },
+    }
+    try:
+        with serve_workers(fleet.servers, policy, tmp_path) as (http, metrics, lines):
+            traffic = Traffic()
+            stop = threading.Event()
+            sender = threading.Thread(target=closed_loop, args=(http, 8, stop, traffic))
+            sender.start()
+            follower_drained: set[str] = set()
+            try:
+                deadline = time.monotonic() + 50
+                while time.monotonic() < deadline:
+                    m = worker_metrics(metrics)
+                    for k, v in m.get("triton_proxy_instance_draining", {}).items():
+                        labels = dict(k)
+                        if labels["worker"] == "1" and labels["model"] == MODEL and v == 1.0:
+                            follower_drained.add(labels["instance"])
+                    windows = [batching_window_us(triton_config(s)) for s in fleet.servers]
+                    if windows == [4000, 4000] and not any(
+                        v for v in m.get("triton_proxy_instance_draining", {}).values()
+                    ):
+                        break
+                    time.sleep(0.1)
+            finally:
+                stop.set()
+                sender.join(120)
+            final = worker_metrics(metrics)
+        said = [x for x in lines if "proxy.control" in x or "batching" in x]
+        assert not traffic.errors, traffic.errors[:3]
+        windows = [batching_window_us(triton_config(s)) for s in fleet.servers]
+        assert windows == [4000, 4000], said
+        print(f"\nworkers: the follower applied the drain mark of {sorted(follower_drained)}")
+        assert follower_drained == {s.name for s in fleet.servers}
+        served = {
+            dict(k)["worker"]
+            for k, v in final.get("triton_proxy_requests_total", {}).items()
+            if v > 0
+        }
+        assert served == {"0", "1"}, served
+        # The leader's change went through: no drain timed out waiting for the follower.
+        assert not any(final.get("triton_proxy_control_apply_failures_total", {}).values())
+        changes = final.get("triton_proxy_control_decisions_total", {})
+        assert any(
+            dict(k).get("loop") == "batching" and dict(k).get("reason") == "backlog"
+            for k in changes
+        ), changes
+    finally:
+        for server in fleet.servers:
+            restore_window(server, DEFAULT_WINDOW_US)
+
+
+def restore_window(server: TritonServer, window_us: int) -> None:
+    with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
+        config = c.get_model_config(MODEL)
+        if batching_window_us(config) != window_us:
+            c.load_model(MODEL, config=json.dumps(with_batching_window(config, window_us)))

@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tests.fakes.process import ProxyProcess
 from tests.fakes.rawhttp import build, exchange
 from tests.fakes.triton import FakeFleet, Fault
-from tests.middle.conftest import FAST_HEALTH, ProxyFactory, infer_doc, port_of, raw
+from tests.middle.conftest import FAST_HEALTH, ProxyFactory, infer_doc, port_of, raw, wait_for
 
 BODY = json.dumps(infer_doc()).encode()
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -146,3 +146,43 @@ def test_sigterm_drains_queued_and_in_flight_requests(tmp_path: Path) -> None:
         if a.status != 200 and not (a.status == 503 and a.triton_error())
     ]
     assert not bad, f"queued requests must finish or get 503: {bad}"
+
+
+def _class_in_flight(proxy: Any) -> float:
+    assert proxy.ports is not None
+    text = raw(proxy.ports.metrics, "GET", "/metrics", [], b"").body.decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("triton_proxy_class_in_flight{") and 'model="simple"' in line
+    )
+
+
+def test_a_grpc_call_cancelled_in_flight_keeps_its_slot_while_triton_may_still_run_it(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    """Triton stops a cancelled request only while it is queued (or in a model that polls
+    ``is_cancelled()``); a running batch finishes. So a gRPC call cancelled in flight holds its
+    gate slot for the rest of its class's mean time inside Triton, not a moment less, then
+    gives it back: the gate never sends more than its limit into a busy Triton."""
+    for fake in fakes.servers:
+        fake.faults.append(Fault("delay", delay_s=2.0))
+    with proxy_on(TIGHT) as proxy:
+        ch = grpc.insecure_channel(proxy.grpc)
+        try:
+            infer = ch.unary_unary(INFER)
+            # Three answered calls: the class's mean time inside is about 2 s.
+            warm = [infer.future(message(), timeout=30) for _ in range(3)]
+            for w in warm:
+                assert pb.ModelInferResponse.FromString(w.result()).model_name == "simple"
+            gone = [infer.future(message(), timeout=0.3) for _ in range(3)]
+            for call in gone:
+                try:
+                    call.result()
+                except grpc.RpcError as exc:
+                    assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            # Their clients have gone; Triton would still be running them.
+            assert _class_in_flight(proxy) == 3
+            wait_for(lambda: _class_in_flight(proxy) == 0, 10, "the held slots are given back")
+        finally:
+            ch.close()

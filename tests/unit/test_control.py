@@ -29,10 +29,11 @@ def sample(
     online_p99_ms: float | None = None,
     backlog: float = 0.0,
     queue_us: float | None = None,
+    backlog_now: float | None = None,
 ) -> BatchingSample:
     classes = {"rt": ClassP99(None if rt_p99_ms is None else rt_p99_ms / 1e3, 0.1)}
     classes["online"] = ClassP99(None if online_p99_ms is None else online_p99_ms / 1e3, 0.5)
-    return BatchingSample("m", window_us, "rt", classes, queue_us, backlog)
+    return BatchingSample("m", window_us, "rt", classes, queue_us, backlog, backlog_now)
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,7 @@ def sample(
         (sample(rt_p99_ms=10, queue_us=60_000, backlog=5), "up", "backlog", 4000),
         # every SLO holds with margin and offline work waits: double
         (sample(rt_p99_ms=50, online_p99_ms=200, backlog=3), "up", "backlog", 4000),
+        (sample(rt_p99_ms=50, backlog=3, backlog_now=1.0), "up", "backlog", 4000),
         # a class without enough samples counts as holding
         (sample(rt_p99_ms=None, backlog=3), "up", "backlog", 4000),
         # a small window grows by at least min_step_us
@@ -73,6 +75,8 @@ def test_batching_rules(s: BatchingSample, direction: str, reason: str, new: int
         sample(rt_p99_ms=10, online_p99_ms=400, backlog=10),
         # a small backlog, between backlog_min / 2 and backlog_min: hold
         sample(rt_p99_ms=10, backlog=0.7),
+        # a backlog over the window that is gone now (the surge just ended): hold
+        sample(rt_p99_ms=10, backlog=5, backlog_now=0.0),
         # batches fill before the window expires (queue well under it): a longer one buys nothing
         sample(window_us=8000, rt_p99_ms=10, queue_us=3000, backlog=10),
         # at the bounds nothing moves

@@ -120,3 +120,13 @@ def test_the_target_is_never_below_two_full_batches_of_the_model() -> None:
     for i in range(60):  # 300 ms answers: above the 100 ms SLO target...
         c.observe(0.3, True, c.current(), i * 0.1, batch_s=0.2)
     assert c.current() >= 32  # ...but below two 200 ms batches: never cut (bound: it grows)
+
+
+def test_the_starting_limit_lies_within_the_configured_bounds() -> None:
+    """A policy's max_batches below 2 batches starts at its ceiling, not at 2 x B x n."""
+    small = AdaptiveConcurrency(
+        AdaptiveConcurrencyConfig(enabled=True, min_batches=0.0625, max_batches=0.125), 0.25
+    )
+    assert small.limit("triton-0", "m", per_batch=16) == 2
+    assert law(limit=500).current() == 64
+    assert law(limit=1).current() == 16

@@ -115,25 +115,31 @@ def test_the_required_dashboards_and_variables_exist() -> None:
         assert word in titles
 
 
-def test_pending_metrics_are_an_explicit_list_used_only_where_documented() -> None:
-    """Only the control dashboard (and the alerts) read metrics that issues 10/11 will add."""
-    pending_by_dashboard = {
-        name: {
-            t.expr
+def test_every_proxy_metric_the_dashboards_read_is_defined_in_the_proxy() -> None:
+    """A renamed metric must not leave a panel silently empty: each ``triton_proxy_*`` name a
+    dashboard reads (less a counter's or histogram's suffix) is a metric family the proxy
+    defines (``proxy/telemetry.py``); recording rules (``name:...``) are defined in the rules."""
+    read = set().union(
+        *(
+            dashboards.metric_names(t.expr)
+            for build in dashboards.DASHBOARDS.values()
             for p in build().panels()
             for t in p.targets
-            if dashboards.requirement(t.expr) == "pending"
-        }
-        for name, build in dashboards.DASHBOARDS.items()
-    }
-    assert {n for n, exprs in pending_by_dashboard.items() if exprs} == {"control"}
-    control_names = set().union(
-        *(dashboards.metric_names(e) for e in pending_by_dashboard["control"])
+        )
     )
-    assert control_names & dashboards.PENDING_METRICS.keys() == set(dashboards.PENDING_METRICS)
-    alerts = (PROM / "alerts.yml").read_text()
+    families = {
+        re.sub(r"_(total|bucket|count|sum)$", "", n)
+        for n in read
+        if n.startswith("triton_proxy_") and ":" not in n
+    }
+    source = (ROOT / "proxy" / "telemetry.py").read_text()
+    defined = set(re.findall(r'"(triton_proxy_[a-z0-9_]+)"', source))
+    assert families, "the dashboards read no proxy metric at all"
+    assert families <= defined, sorted(families - defined)
+    assert {n for n in read if dashboards.requirement(n) == "gpu"} <= dashboards.GPU_METRICS
     assert dashboards.requirement("rate(triton_proxy_requests_total[1m])") is None
     assert dashboards.requirement("nv_gpu_utilization") == "gpu"
+    alerts = (PROM / "alerts.yml").read_text()
     assert "triton_proxy_control_apply_failures_total" in alerts
 
 

@@ -45,13 +45,13 @@ def test_draw_writes_a_png_with_rows_series_stats_and_notes(tmp_path: Path) -> N
             [],
         ),
         PanelData(
-            "Pending",
+            "Empty",
             "",
             "timeseries",
             {"x": 0, "y": 9, "w": 24, "h": 8},
             None,
             [],
-            ["pending: x not exported yet"],
+            ["no data"],
         ),
     ]
     out = tmp_path / "d.png"

@@ -24,7 +24,9 @@ def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
     assert p.rate(5.0) is None  # the window emptied: idle gate, no prediction
 
 
-def make_gate(clock: FakeClock, capacity: int) -> tuple[Gate, RecordingObserver]:
+def make_gate(
+    clock: FakeClock, capacity: int, shed_late: bool = True
+) -> tuple[Gate, RecordingObserver]:
     config = load_scheduling(
         {
             "classes": {
@@ -32,6 +34,7 @@ def make_gate(clock: FakeClock, capacity: int) -> tuple[Gate, RecordingObserver]
                 "off": {"rank": 1, "queue_timeout_s": None},
             },
             "default_class": "rt",
+            "shed_late": shed_late,
         }
     )
     observer = RecordingObserver()
@@ -72,31 +75,6 @@ async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_ne
     assert ("rt", ShedReason.LATE) in observer.sheds
 
 
-async def test_a_request_that_already_waited_past_its_slo_is_not_dispatched() -> None:
-    clock = FakeClock()
-    gate, _ = make_gate(clock, capacity=1)
-    assert gate.lateness is not None
-    gate.lateness.observe_inside("rt", 0.03)
-    release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.admit("rt"):
-            await release.wait()
-
-    holder = asyncio.create_task(first())
-    await asyncio.sleep(0)
-    waiter = asyncio.create_task(gate.admit("rt").__aenter__())
-    await asyncio.sleep(0)
-    clock.advance(0.08)  # 80 ms waited + 30 ms inside > 100 ms
-    release.set()
-    await holder
-    with pytest.raises(Shed) as info:
-        await waiter
-    assert info.value.reason is ShedReason.LATE
-    assert gate.in_flight() == 0  # its slot went back
-    gate.close()
-
-
 def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
     p = LatenessPredictor(window_s=1.0, min_dispatches=1)
     p.on_dispatch(0.0)
@@ -105,3 +83,154 @@ def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
     assert not p.late(10.0, "rt", 0.1)
     p.observe_inside("fast", 0.01)
     assert p.late(0.2, "fast", 0.1)
+
+
+async def _queue_one_ahead(gate: Gate, hold: asyncio.Event) -> list[asyncio.Task[None]]:
+    """The only slot taken and one ``rt`` request queued: 1/10 s of waiting predicted."""
+
+    async def occupy() -> None:
+        async with gate.admit("rt"):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(occupy()), asyncio.create_task(occupy())]
+    await asyncio.sleep(0)
+    return tasks
+
+
+def _busy(gate: Gate, clock: FakeClock, inside_s: float = 0.02) -> None:
+    """Ten dispatches in the last second (10 req/s); ``inside_s`` in Triton for every class."""
+    assert gate.lateness is not None
+    for i in range(10):
+        gate.lateness.on_dispatch(i * 0.1)
+    gate.lateness.observe_inside("rt", inside_s)
+    gate.lateness.observe_inside("off", inside_s)
+    clock.t = 0.95
+
+
+@pytest.mark.timeout(10)
+async def test_a_client_deadline_is_the_budget_of_a_class_without_an_slo() -> None:
+    """One deadline per request: a throughput class is never shed for a latency target, but
+    a request that says when its client stops waiting is shed when predicted past that."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1)
+    _busy(gate, clock)
+    hold = asyncio.Event()
+    tasks = await _queue_one_ahead(gate, hold)
+    with pytest.raises(Shed) as info:  # 1/10 s + 20 ms predicted > 50 ms left
+        async with gate.admit("off", deadline=clock.now() + 0.05):
+            pass
+    assert info.value.reason is ShedReason.LATE
+    waiting = asyncio.create_task(gate.admit("off", deadline=clock.now() + 5.0).__aenter__())
+    await asyncio.sleep(0)
+    assert gate.queued("off") == 1  # 5 s is time enough: it waits
+    hold.set()
+    gate.close()
+    await asyncio.gather(*tasks, waiting, return_exceptions=True)
+    assert observer.sheds.count(("off", ShedReason.LATE)) == 1
+
+
+@pytest.mark.timeout(10)
+async def test_the_earlier_of_client_deadline_and_class_slo_binds() -> None:
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1)
+    _busy(gate, clock, inside_s=0.001)
+    hold = asyncio.Event()
+    tasks = await _queue_one_ahead(gate, hold)
+    # One queued ahead: 1/11 s + 1 ms = 92 ms predicted. Within the 100 ms SLO, past a 50 ms
+    # client deadline.
+    with pytest.raises(Shed):
+        async with gate.admit("rt", deadline=clock.now() + 0.05):
+            pass
+    waiting = asyncio.create_task(gate.admit("rt", deadline=clock.now() + 0.095).__aenter__())
+    await asyncio.sleep(0)
+    assert gate.queued("rt") == 2  # 95 ms is enough
+    # A client deadline later than the SLO does not lengthen the class's budget.
+    with pytest.raises(Shed):  # two ahead now: 2/11 s + 1 ms > 100 ms
+        async with gate.admit("rt", deadline=clock.now() + 60.0):
+            pass
+    hold.set()
+    gate.close()
+    await asyncio.gather(*tasks, waiting, return_exceptions=True)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("klass", "client_deadline_s"),
+    [("rt", None), ("off", 0.1)],
+    ids=["class SLO", "client deadline"],
+)
+async def test_a_request_that_waited_past_its_budget_is_not_dispatched(
+    klass: str, client_deadline_s: float | None
+) -> None:
+    """100 ms of budget either way: rt's SLO, or the client deadline of a class without one."""
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1)
+    assert gate.lateness is not None
+    gate.lateness.observe_inside(klass, 0.03)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    deadline = None if client_deadline_s is None else clock.now() + client_deadline_s
+    late = asyncio.create_task(gate.admit(klass, deadline=deadline).__aenter__())
+    free = asyncio.create_task(gate.admit("off").__aenter__())  # no budget: never late
+    await asyncio.sleep(0)
+    clock.advance(0.08)  # 80 ms waited + 30 ms inside > its 100 ms
+    release.set()
+    await holder
+    with pytest.raises(Shed) as info:
+        await late
+    assert info.value.reason is ShedReason.LATE
+    ticket = await free  # the late one's slot went to the next
+    assert ticket.class_name == "off"
+    ticket.release()
+    assert gate.in_flight() == 0
+    gate.close()
+
+
+@pytest.mark.timeout(10)
+async def test_without_shed_late_only_a_client_deadline_is_held_at_the_head() -> None:
+    """Deadline admission off: nothing is shed at arrival and a class SLO is only a target,
+    but a request whose client will be gone before its answer is not sent (abandoned work)."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1, shed_late=False)
+    _busy(gate, clock, inside_s=0.03)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    # Queued, not shed at arrival, whatever is predicted.
+    doomed = asyncio.create_task(gate.admit("rt", deadline=clock.now() + 0.1).__aenter__())
+    slow = asyncio.create_task(gate.admit("rt").__aenter__())  # only its class SLO: 100 ms
+    await asyncio.sleep(0)
+    assert gate.queued("rt") == 2 and not observer.sheds
+    clock.advance(0.08)  # both waited 80 ms; with 30 ms inside, both would be answered late
+    release.set()
+    await holder
+    with pytest.raises(Shed) as info:
+        await doomed
+    assert info.value.reason is ShedReason.LATE
+    ticket = await slow  # served late: a class SLO is not a client that leaves
+    ticket.release()
+    assert observer.sheds == [("rt", ShedReason.LATE)]
+    gate.close()
+
+
+def test_late_allows_for_a_slow_answer_when_times_inside_vary() -> None:
+    steady, noisy = LatenessPredictor(), LatenessPredictor()
+    for i in range(200):
+        steady.observe_inside("rt", 0.05)
+        noisy.observe_inside("rt", 0.02 if i % 2 else 0.08)
+    assert steady.inside("rt") == pytest.approx(0.05)
+    assert noisy.inside("rt") == pytest.approx(0.05, abs=0.004)
+    # 60 ms left of a 100 ms budget: time for a steady 50 ms answer, not for a noisy one.
+    assert not steady.late(0.04, "rt", 0.1)
+    assert noisy.late(0.04, "rt", 0.1)

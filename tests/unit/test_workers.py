@@ -22,7 +22,9 @@ from proxy.scheduling.config import load_scheduling
 from proxy.telemetry import merge_workers
 from proxy.workers import (
     STATE_FILE,
+    FollowerReports,
     SharedSnapshots,
+    WorkerRole,
     leader_state,
     per_worker,
     per_worker_scheduling,
@@ -103,6 +105,67 @@ def test_a_followers_own_failure_outlives_older_leader_verdicts(tmp_path):
     write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now()))
     view.refresh()
     assert follower.get("a").healthy
+
+
+def test_followers_take_the_leaders_drain_marks_and_answer_them(tmp_path):
+    """The drain protocol between workers: the leader publishes its marks with a new epoch;
+    it may reload only once every follower has applied that epoch and has none of the
+    model's requests in flight on the instance."""
+    clock = FakeClock(100.0)
+    leader, f1, f2 = _fleet(clock), _fleet(clock), _fleet(clock)
+    roles = [WorkerRole(i, 3, tmp_path) for i in range(3)]
+    reports = FollowerReports(roles[0])
+    views = []
+    seen: list[tuple[dict[str, dict[str, float]], bool]] = []
+    for role, fleet in ((roles[1], f1), (roles[2], f2)):
+        view = SharedSnapshots(
+            tmp_path / STATE_FILE,
+            fleet,
+            interval_s=1.0,
+            report_path=role.report_file(),
+            on_state=lambda st, drains: seen.append(
+                ({m: dict(c) for m, c in st.class_scales.items()}, drains)
+            ),
+        )
+        views.append(view)
+    # No follower has answered yet: the leader cannot know.
+    assert reports.in_flight("a", "m", 0) is None
+    write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now()))
+    for v in views:
+        v.refresh()
+        v.report()
+    assert reports.in_flight("a", "m", 0) == 0
+
+    # The leader marks (a, m) and publishes epoch 1 with the class factors it applied.
+    leader.get("a").draining.add("m")
+    f1.get("a").model_in_flight["m"] = 2  # follower 1 still has two requests there
+    clock.advance(1.0)
+    write_state(
+        tmp_path / STATE_FILE,
+        leader_state(leader, {}, clock.now(), drain_epoch=1, class_scales={"m": {"off": 0.5}}),
+    )
+    assert reports.in_flight("a", "m", 1) is None  # nobody has applied epoch 1
+    views[0].refresh()
+    views[0].report()
+    assert f1.get("a").draining == {"m"}
+    assert reports.in_flight("a", "m", 1) is None  # follower 2 has not
+    views[1].refresh()
+    views[1].report()
+    assert f2.get("a").draining == {"m"}
+    assert reports.in_flight("a", "m", 1) == 2  # applied everywhere; two still in flight
+    assert seen[-1] == ({"m": {"off": 0.5}}, True)
+    f1.get("a").model_in_flight["m"] = 0
+    views[0].report()
+    assert reports.in_flight("a", "m", 1) == 0  # now the reload may start
+
+    # The mark is cleared: the followers send the model's requests to a again.
+    leader.get("a").draining.clear()
+    clock.advance(1.0)
+    write_state(tmp_path / STATE_FILE, leader_state(leader, {}, clock.now(), drain_epoch=2))
+    for v in views:
+        v.refresh()
+    assert not f1.get("a").draining and not f2.get("a").draining
+    assert seen[-1] == ({}, True)
 
 
 def test_merged_metrics_label_each_workers_series():
