@@ -18,7 +18,11 @@ Every arm sends the same schedule to the same local Triton servers:
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
 - ``proxy_class_aware+adaptive``: the same with adaptive concurrency and deadline admission on
-  (both measured to shed real-time traffic at light load in issue 10's case, so off by default).
+  (both measured to shed real-time traffic at light load in issue 10's case, so off by default);
+- ``proxy_long_lane``: ``expected_start`` packing long work into a lane of instances, the
+  lowest class at ``max_per_instance: 8`` with ``spare_instances: 1`` (one instance kept free
+  of it for short work) and 64 slots per instance; ``+adaptive`` has adaptive concurrency
+  instead of the 64 fixed slots.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -63,6 +67,21 @@ PREVIOUS_CONCURRENCY = 32
 ``accel_sim``), what ``derive_concurrency`` gave for one model instance."""
 
 
+LANE_DEPTH = 8
+"""``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
+issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
+one running and one forming."""
+
+
+LANE_CONCURRENCY = 64
+"""Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
+serves all the short work while the lane runs long work; with 2 x ``max_batch_size`` (32)
+its slots filled under bursts and short requests spilled onto the lane, into padded batches
+(measured, burst x1.5: every instance at 32, 24 of them short on each lane instance).
+Triton orders the deeper queue by priority, and it holds short work only, so it pads
+nothing."""
+
+
 @dataclass(frozen=True)
 class ArmPlan:
     """What one arm is, before anything is started (pure data, for tests and ``--list-arms``)."""
@@ -79,6 +98,10 @@ class ArmPlan:
     """Keys set on the ``scheduling:`` section over the ones built from the scenario."""
     lowest_max_per_instance: int | None = None
     """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
+    lowest_spare_instances: int = 0
+    """``spare_instances`` of the lowest-ranked class (its long lane leaves these free)."""
+    policy_params: Mapping[str, Any] | None = None
+    """The routing policy's parameters (none: its defaults)."""
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -134,6 +157,29 @@ def _catalog() -> dict[str, ArmPlan]:
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=1,
+            # as measured in the first round, before long requests were packed into a lane
+            policy_params={"long_placement": "spread"},
+        ),
+        ArmPlan(
+            "proxy_long_lane",
+            "proxy",
+            "triton-proxy, expected_start packing long work into a lane; lowest class "
+            f"max_per_instance {LANE_DEPTH}, spare_instances 1; concurrency {LANE_CONCURRENCY}",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            scheduling={"concurrency": LANE_CONCURRENCY},
+        ),
+        ArmPlan(
+            "proxy_long_lane+adaptive",
+            "proxy",
+            "proxy_long_lane with adaptive concurrency on (from 32 slots, up to 64)",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
         ArmPlan(
             "proxy_class_aware+adaptive",
@@ -142,6 +188,7 @@ def _catalog() -> dict[str, ArmPlan]:
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=1,
+            policy_params={"long_placement": "spread"},
             scheduling={"shed_late": True, "adaptive_concurrency": {"enabled": True}},
         ),
     ]
@@ -171,6 +218,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "proxy_previous_best",
         "proxy_class_aware",
         "proxy_class_aware+adaptive",
+        "proxy_long_lane",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),
@@ -271,7 +319,7 @@ def proxy_policy(
     doc: dict[str, Any] = {
         "instances": instances,
         "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
-        "routing": {"policy": {"name": plan.policy, "params": {}}},
+        "routing": {"policy": {"name": plan.policy, "params": dict(plan.policy_params or {})}},
     }
     if plan.classes:
         if scenario is None:
@@ -280,6 +328,8 @@ def proxy_policy(
         if plan.lowest_max_per_instance is not None:
             lowest = section["default_class"]
             section["classes"][lowest]["max_per_instance"] = plan.lowest_max_per_instance
+            if plan.lowest_spare_instances:
+                section["classes"][lowest]["spare_instances"] = plan.lowest_spare_instances
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

@@ -7,22 +7,34 @@ slots and batches cannot fill (throughput falls); too many and the top class wai
 that is already inside Triton. The right number moves with the load mix, so it is learned.
 
 **Signal.** The time requests of the most important class spend inside Triton (sent to
-answered) on that instance, over a window of ``window_s``; other classes' samples are used only
-when the top class sent none (their long requests are expected to take long).
+answered) on that instance, over a window of ``window_s``. Other classes' samples never count
+as the signal (their requests are long, and they wait behind the top class by priority: more
+slots cause neither); they only estimate the batch that may be running (below). A window
+without top-class samples (an instance of the long lane, say) holds the limit or grows it.
 
 **Law** (AIMD, once per window with samples)::
 
-    if p90(inside time) > target:           limit = max(low, limit * decrease)
-    elif limit was reached in the window:   limit = min(high, limit + step)
+    if top class sampled and p90(top inside time) > target and the limit bound:
+        limit = max(low, limit * decrease)
+    elif the limit bound in the window:
+        limit = min(high, limit + step)
 
-with ``target = max(target_fraction x top class's slo_p99_ms, 2 x batch_s)``: the rest of the SLO
-is left for waiting in the proxy, but never less than two full batches of the model's typical
-requests (``batch_s``, from the learned cost curve, :mod:`proxy.scheduling.cost`), since a
-request may always find one batch running and must then run in the next;
-``low = min_batches x B x n``, ``high = max_batches x B x n`` and
-``step = max(1, B x n / 4)``, where ``B`` is ``max_batch_size`` (1 without batching) and ``n``
-the model's instance count per server. The limit only grows while it binds, so an idle
-instance keeps the limit that served it last. Bounds keep a full batch formable at all times.
+    target = max(target_fraction x slo, 2 x batch_s, min(slo, running_s + batch_s))
+
+``batch_s`` is a full batch of the model's typical requests (the learned cost curve,
+:mod:`proxy.scheduling.cost`): a request may always find one batch running and must then run
+in the next. ``running_s`` is the median time inside Triton of the other classes' requests in
+the window: the batch a top-class request finds running is usually one of theirs (a long,
+padded batch when long work shares the instance), and no number of slots shortens a batch
+that has begun, so the target leaves room for it (up to the SLO itself). "The limit bound":
+some answer in the window left at least ``limit`` requests of the model in flight there; when
+it never did, the time inside Triton is not queueing that the slots allow, and cutting them
+cannot help (issue 10's first version cut without this test and, with long work on every
+instance, ratcheted every instance down to its floor at x1 load: docs/benchmarks.md).
+``low = min_batches x B x n``, ``high = max_batches x B x n`` and ``step = max(1, B x n / 4)``,
+where ``B`` is ``max_batch_size`` (1 without batching) and ``n`` the model's instance count
+per server. The limit only grows while it binds, so an idle instance keeps the limit that
+served it last. Bounds keep a full batch formable at all times.
 
 Source: TCP's AIMD (Chiu and Jain, 1989) applied to request concurrency as in Netflix's
 ``concurrency-limits`` (AIMDLimit), with a latency target taken from the SLO instead of a
@@ -38,9 +50,8 @@ from proxy.stats.window import WindowedQuantiles
 
 @dataclass(frozen=True)
 class AdaptiveConcurrencyConfig:
-    """``scheduling.adaptive_concurrency`` in the policy file. Off by default: with long
-    batch work on every instance the top class's time inside Triton stays above the target,
-    the law cuts slots to its floor and the queue moves into the proxy (docs/benchmarks.md)."""
+    """``scheduling.adaptive_concurrency`` in the policy file. Off by default (see
+    docs/benchmarks.md, issue 10, for what it was measured to do)."""
 
     enabled: bool = False
     target_fraction: float = 0.5
@@ -76,8 +87,10 @@ class ConcurrencyLimit:
     decrease: float
     window_s: float
     limit: float = 0.0
+    ceiling_s: float | None = None
+    """The top class's SLO: the running-batch allowance never raises the target above it."""
     _top: WindowedQuantiles = field(init=False)
-    _any: WindowedQuantiles = field(init=False)
+    _other: WindowedQuantiles = field(init=False)
     _bound: bool = False
     _next_at: float | None = None
 
@@ -85,10 +98,23 @@ class ConcurrencyLimit:
         # The starting limit (the fixed gate's 2 x B x n unless given), within the bounds.
         self.limit = min(self.high, max(self.low, self.limit or 2 * self.step * 2))
         self._top = WindowedQuantiles(self.window_s)
-        self._any = WindowedQuantiles(self.window_s)
+        self._other = WindowedQuantiles(self.window_s)
 
     def current(self) -> int:
         return max(1, int(self.limit))
+
+    def target(self, now: float, batch_s: float | None = None) -> float:
+        """The top class's p90 time inside Triton above which the limit falls (see the
+        module's formula)."""
+        own = batch_s if batch_s is not None else 0.0
+        target = max(self.target_s, 2 * own)
+        running = self._other.quantile(0.5, now)
+        if running is not None:
+            allowance = running + own
+            if self.ceiling_s is not None:
+                allowance = min(allowance, self.ceiling_s)
+            target = max(target, allowance)
+        return target
 
     def observe(
         self,
@@ -101,7 +127,7 @@ class ConcurrencyLimit:
         """Record one answered request; returns ``"down"``/``"up"`` when the limit moved.
 
         ``batch_s``: the model's current full-batch time, when known (raises the target)."""
-        (self._top if top_class else self._any).record(inside_s, now)
+        (self._top if top_class else self._other).record(inside_s, now)
         if in_flight >= self.current():
             self._bound = True
         if self._next_at is None:
@@ -109,11 +135,10 @@ class ConcurrencyLimit:
         if now < self._next_at:
             return None
         self._next_at = now + self.window_s
-        window = self._top if self._top.count(now) else self._any
-        p90 = window.quantile(0.9, now)
+        p90 = self._top.quantile(0.9, now)
         bound, self._bound = self._bound, False
-        target = max(self.target_s, 2 * batch_s) if batch_s is not None else self.target_s
-        if p90 is not None and p90 > target:
+        target = self.target(now, batch_s)
+        if p90 is not None and p90 > target and bound:
             new = max(self.low, self.limit * self.decrease)
             direction = "down"
         elif bound:
@@ -137,6 +162,7 @@ class AdaptiveConcurrency:
         if target is None:
             target = top_slo_s * config.target_fraction if top_slo_s else 0.1
         self.target_s = target
+        self.ceiling_s = top_slo_s
         self._limits: dict[tuple[str, str], ConcurrencyLimit] = {}
 
     def _get(self, instance: str, model: str, per_batch: int) -> ConcurrencyLimit:
@@ -152,6 +178,7 @@ class AdaptiveConcurrency:
                 decrease=c.decrease,
                 window_s=c.window_s,
                 limit=2.0 * per_batch,  # clamped to [low, high] by the law
+                ceiling_s=self.ceiling_s,
             )
         return law
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min, weight_of
@@ -17,9 +17,20 @@ class ExpectedStartParams:
     """How many full short batches one long request in flight is worth: roughly the time of a
     batch padded to a long request over that of a batch of short ones."""
 
+    long_placement: Literal["pack", "spread"] = "pack"
+    """``pack``: a long request joins the instance that already runs the most long work (a
+    *long lane*), so the other instances keep short batches; ``spread``: the fewest long
+    requests (issue 10's first version, which padded every instance's batches)."""
+    lane_depth: int | None = None
+    """``pack``: long requests of an uncapped class per instance before the lane opens
+    another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
+    class with ``max_per_instance`` uses that instead (the gate and placement enforce it)."""
+
     def __post_init__(self) -> None:
         if self.long_weight < 0:
             raise ValueError(f"long_weight must be >= 0, got {self.long_weight}")
+        if self.lane_depth is not None and self.lane_depth < 1:
+            raise ValueError(f"lane_depth must be >= 1 or null, got {self.lane_depth}")
 
 
 class ExpectedStart:
@@ -28,13 +39,32 @@ class ExpectedStart:
 
     Formula, for a request of priority level ``p`` on a model with ``max_batch_size`` ``B``::
 
-        short request:  score = ((ahead + 1) / B + long_weight * long_in_flight) / weight
-        long request:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
+        short request:  score = ((ahead + 1) / B + long_weight * min(long_in_flight, 2)) / weight
+        long, spread:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
+        long, pack:     key = (full, -class_in_flight, -long_in_flight,
+                               short_in_flight, model_in_flight, 1 / weight)
+
+    (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``). ``pack`` fills
+    the instance that already runs long work (for a class with ``max_per_instance``: that
+    class's work first) until it is ``full``, before it opens another, and opens the one with
+    the fewest short requests, whose batches it would pad. ``full``: the class holds its
+    ``max_per_instance`` there (placement drops such instances before the policy sees them,
+    and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
+    without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
+    capped class. Short
+    requests avoid the lane through the ``long_weight`` term, so at light load long work runs
+    on one instance and the others serve short batches only (size-interval assignment);
+    under load the lane grows one instance at a time.
 
     where ``ahead`` counts this proxy's requests of the model in flight on the instance at level
     ``<= p`` (with Triton priorities, work queued at lower levels waits behind this request, so it
-    does not delay it), ``(ahead + 1) / B`` is the number of batches to wait for, and each long
-    request in flight may hold the instance for a batch padded to its length. Ties at random.
+    does not delay it), ``(ahead + 1) / B`` is the number of batches to wait for, and long work
+    in flight may hold the instance for a batch padded to its length: the one running, and the
+    one this request joins, which Triton fills with queued lower-level rows. Long work queued
+    further back at a lower level does not delay it, hence at most 2 count: a deep lane
+    repels short requests no more than a shallow one, and they spill onto it only when the
+    instances without long work have more than ``2 x long_weight`` batches of their own.
+    Ties at random.
 
     Why not least outstanding work: with batching, a short request's marginal cost on an instance
     already running short requests is small, and chasing the emptiest instance herds traffic
@@ -57,7 +87,22 @@ class ExpectedStart:
         batch = max(1, request.batch)
         long_weight = self.params.long_weight
 
-        if request.long:
+        if request.long and self.params.long_placement == "pack":
+            cap = request.class_cap
+            depth = self.params.lane_depth or 2 * batch
+
+            def key(c: Candidate) -> tuple[float, ...]:
+                full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth
+                return (
+                    float(full),
+                    -float(c.class_in_flight if cap else 0),
+                    -float(c.long_in_flight),
+                    float(c.model_in_flight - c.long_in_flight),
+                    float(c.model_in_flight),
+                    1.0 / weight_of(c),
+                )
+
+        elif request.long:
 
             def key(c: Candidate) -> tuple[float, ...]:
                 score = long_weight * c.long_in_flight + (c.model_in_flight + 1) / batch
@@ -67,7 +112,7 @@ class ExpectedStart:
 
             def key(c: Candidate) -> tuple[float, ...]:
                 ahead = c.model_in_flight if c.ahead is None else c.ahead
-                score = (ahead + 1) / batch + long_weight * c.long_in_flight
+                score = (ahead + 1) / batch + long_weight * min(c.long_in_flight, 2)
                 return (score / weight_of(c),)
 
         return pick_min(candidates, key, self._rng)

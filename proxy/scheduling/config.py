@@ -65,7 +65,20 @@ class ClassConfig:
     max_per_instance: int | None = None
     """At most this many of the class's requests in flight on any one instance (placement
     spreads them). Keeps long, low-priority work from padding the batches of every instance:
-    e.g. 1 for an offline class of long requests."""
+    e.g. 1 for an offline class of long requests. With ``spare_instances`` it is the depth of
+    the class's work on each instance of its lane instead (see there)."""
+    spare_instances: int = 0
+    """Instances kept free of this class (a *long lane*): the gate admits at most
+    ``max_per_instance x (healthy instances - spare_instances)`` of the class (never below
+    ``max_per_instance``), and placement (``expected_start``) packs the class onto instances
+    that already run it before it opens another, so short, more important work has
+    ``spare_instances`` instances whose batches this class never pads. Needs
+    ``max_per_instance``. The spares are lent to the class while every more important class
+    has been idle (nothing queued, nothing in flight, no arrival) for ``spare_idle_s``: with
+    nobody to keep them for, they would only idle while the class's queue grows."""
+    spare_idle_s: float = 1.0
+    """How long the more important classes must have been idle before the class may use its
+    ``spare_instances`` too."""
     min_share: float = 0.0
     """Fraction of capacity reserved while this class has work waiting: others cannot take the
     last ``floor(min_share * capacity)`` slots it is short of."""
@@ -91,6 +104,12 @@ class ClassConfig:
             raise ValueError(f"max_concurrency must be >= 1 or null, got {self.max_concurrency}")
         if self.max_per_instance is not None and self.max_per_instance < 1:
             raise ValueError(f"max_per_instance must be >= 1 or null, got {self.max_per_instance}")
+        if self.spare_instances < 0:
+            raise ValueError(f"spare_instances must be >= 0, got {self.spare_instances}")
+        if self.spare_idle_s < 0:
+            raise ValueError(f"spare_idle_s must be >= 0, got {self.spare_idle_s}")
+        if self.spare_instances and self.max_per_instance is None:
+            raise ValueError("spare_instances needs max_per_instance (the lane's depth)")
         if not 0.0 <= self.min_share <= 1.0:
             raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
         if not 0.0 < self.max_share <= 1.0:
@@ -108,13 +127,17 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
-    def share_limit(self, capacity: int, instances: int = 1, scale: float = 1.0) -> int:
+    def share_limit(
+        self, capacity: int, instances: int = 1, scale: float = 1.0, spare: bool = True
+    ) -> int:
         """Most slots this class may hold out of ``capacity`` over ``instances`` healthy
-        instances (max_share, max_concurrency and max_per_instance).
+        instances (max_share, max_concurrency, and max_per_instance over the instances
+        of the class's lane: all but ``spare_instances``, at least one).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
         ``scale`` (the class-limit loop's factor, <= 1) multiplies ``max_share`` but never takes
-        the limit below the class's ``min_share`` reservation.
+        the limit below the class's ``min_share`` reservation. ``spare=False``: the spare
+        instances are lent to the class (see ``spare_instances``).
         """
         limit = capacity
         share = self.max_share * scale
@@ -125,7 +148,8 @@ class ClassConfig:
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
         if self.max_per_instance is not None:
-            limit = min(limit, max(1, self.max_per_instance * instances))
+            lane = max(1, instances - self.spare_instances) if spare else instances
+            limit = min(limit, max(1, self.max_per_instance * lane))
         return limit
 
     def reserved(self, capacity: int, instances: int = 1) -> int:

@@ -95,6 +95,7 @@ class ClassQueues(Generic[T]):
         self._seq = 0
         self._top_rank = min(c.rank for c in config.classes.values())
         self._scale: dict[str, float] = {}
+        self._arrived_at: dict[str, float] = {}
 
     def set_share_scale(self, class_name: str, factor: float) -> None:
         """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
@@ -105,10 +106,26 @@ class ClassQueues(Generic[T]):
     def share_scale(self, class_name: str) -> float:
         return self._scale.get(class_name, 1.0)
 
-    def _limit(self, name: str, capacity: int, instances: int) -> int:
+    def _limit(self, name: str, capacity: int, instances: int, now: float) -> int:
         return self._config.classes[name].share_limit(
-            capacity, instances, self._scale.get(name, 1.0)
+            capacity, instances, self._scale.get(name, 1.0), self._keeps_spare(name, now)
         )
+
+    def _keeps_spare(self, name: str, now: float) -> bool:
+        """Whether ``name``'s spare instances are kept for the more important classes: one
+        of them has work queued or in flight, or had an arrival within ``spare_idle_s``."""
+        cls = self._config.classes[name]
+        if not cls.spare_instances:
+            return True
+        for other, ocls in self._config.classes.items():
+            if ocls.rank >= cls.rank:
+                continue
+            if self._queues[other] or self._in_flight.get(other, 0):
+                return True
+            arrived = self._arrived_at.get(other)
+            if arrived is not None and now - arrived < cls.spare_idle_s:
+                return True
+        return False
 
     @property
     def config(self) -> SchedulingConfig:
@@ -140,6 +157,7 @@ class ClassQueues(Generic[T]):
         """Queue ``item`` in ``class_name`` (a configured class, else KeyError), or shed it."""
         queue = self._queues[class_name]
         cls = self._config.classes[class_name]
+        self._arrived_at[class_name] = now
         if len(queue) >= cls.max_queue:
             return PushResult(None, ShedReason.QUEUE_FULL)
         evicted: tuple[Entry[T], ...] = ()
@@ -197,7 +215,8 @@ class ClassQueues(Generic[T]):
     def pop(self, now: float, capacity: int, instances: int = 1) -> Entry[T] | None:
         """Dispatch the next entry if a slot out of ``capacity`` may be used; take that slot.
 
-        ``instances`` (healthy instances) bounds classes with ``max_per_instance``.
+        ``instances`` (healthy instances) bounds classes with ``max_per_instance`` (less
+        their ``spare_instances`` while a more important class is active).
 
         Call :meth:`expire` first; ``pop`` does not look at timeouts.
         """
@@ -210,7 +229,7 @@ class ClassQueues(Generic[T]):
                 continue
             cls = self._config.classes[name]
             held = self._in_flight.get(name, 0)
-            limit = self._limit(name, capacity, instances)
+            limit = self._limit(name, capacity, instances, now)
             short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
             if short > 0:
                 reserved[name] = short
@@ -219,7 +238,7 @@ class ClassQueues(Generic[T]):
             name
             for name, queue in self._queues.items()
             if queue
-            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances)
+            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
             and (name in reserved or free > total_reserved)
         ]
         if not eligible:

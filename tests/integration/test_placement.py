@@ -92,3 +92,66 @@ async def test_a_class_capped_per_instance_never_exceeds_its_cap(triton_fleet: A
         assert watch.dispatches["offline"] == 24
         assert max(watch.peak.values()) == 1, watch.peak
         assert all(i.class_in_flight == Counter() for i in p.runtime.fleet.all())
+
+
+LANE_POLICY: dict[str, Any] = {
+    "routing": {"policy": {"name": "expected_start"}},
+    "scheduling": {
+        **POLICY["scheduling"],
+        "classes": {
+            **POLICY["scheduling"]["classes"],
+            "offline": {
+                **POLICY["scheduling"]["classes"]["offline"],
+                "max_per_instance": 2,
+                "spare_instances": 1,
+                "spare_idle_s": 60,  # kept for real-time throughout the test
+            },
+        },
+    },
+}
+
+
+class LaneWatch(PerInstance):
+    """Also: the most instances that held offline work at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widest = 0
+
+    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
+        super().on_dispatch(class_name, waited_s, order)
+        if self.proxy is not None:
+            holding = [
+                i
+                for i in self.proxy.runtime.fleet.all()
+                if i.class_in_flight.get(("accel_sim", "offline"), 0)
+            ]
+            self.widest = max(self.widest, len(holding))
+
+
+async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
+    triton_fleet: Any,
+) -> None:
+    # Three servers, offline at 2 per instance with one spare: offline runs on at most two
+    # servers at once (packed: a new one opens only when the lane's are full), and never
+    # more than 2 on one; real-time requests are served meanwhile.
+    watch = LaneWatch()
+    with running_proxy(triton_fleet.servers, LANE_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+
+            async def send(key: str, tokens: int) -> int:
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post(URL, data=body(tokens), headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+
+            assert await send(RT_KEY, 16) == 200  # real-time has been active
+            offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
+            await asyncio.sleep(0.3)
+            realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
+            statuses = await asyncio.gather(*offline)
+        assert set(statuses) == {200} and set(realtime) == {200}
+        assert watch.dispatches["offline"] == 24
+        assert max(watch.peak.values()) == 2, watch.peak
+        assert watch.widest == 2, watch.widest

@@ -14,6 +14,8 @@ from proxy import config as config_mod
 from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
+    LANE_CONCURRENCY,
+    LANE_DEPTH,
     PRESETS,
     PREVIOUS_CONCURRENCY,
     parse_vm_rss_mib,
@@ -281,6 +283,7 @@ def test_issue10_preset():
         "proxy_previous_best",
         "proxy_class_aware",
         "proxy_class_aware+adaptive",
+        "proxy_long_lane",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
@@ -301,6 +304,7 @@ def test_previous_best_and_class_aware_policies():
     assert all(c.max_per_instance is None for c in prev.scheduling.classes.values())
     new = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_class_aware"], sc), "<t>")
     assert new.routing.policy.name == "expected_start"
+    assert new.routing.policy.params == {"long_placement": "spread"}  # as first measured
     assert new.scheduling is not None
     assert new.scheduling.concurrency is None and not new.scheduling.adaptive()
     assert new.scheduling.shed_late is False
@@ -311,6 +315,27 @@ def test_previous_best_and_class_aware_policies():
     assert both.scheduling is not None
     assert both.scheduling.adaptive() and both.scheduling.shed_late is True
     assert both.routing.policy.name == "expected_start"
+
+
+def test_long_lane_policy():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    lane = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_long_lane"], sc), "<t>")
+    assert lane.routing.policy.name == "expected_start"
+    assert lane.scheduling is not None and not lane.scheduling.adaptive()
+    assert lane.scheduling.concurrency == LANE_CONCURRENCY == 4 * 16
+    offline = lane.scheduling.classes["offline"]
+    assert (offline.max_per_instance, offline.spare_instances) == (LANE_DEPTH, 1)
+    assert all(
+        c.max_per_instance is None and c.spare_instances == 0
+        for n, c in lane.scheduling.classes.items()
+        if n != "offline"
+    )
+    adaptive = config_mod.parse(
+        proxy_policy(SERVERS, CATALOG["proxy_long_lane+adaptive"], sc), "<t>"
+    )
+    assert adaptive.scheduling is not None and adaptive.scheduling.adaptive()
+    assert adaptive.scheduling.concurrency is None
+    assert adaptive.scheduling.shed_late is False
 
 
 def test_estimates():

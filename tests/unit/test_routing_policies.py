@@ -219,8 +219,9 @@ def test_registry_errors_name_the_path(name: str, params: dict[str, Any], match:
 # --- expected_start ----------------------------------------------------------------------
 
 
-def _es(request: RouteRequest, *cands: Candidate, seed: int = 0) -> str:
-    policy = build_policy("expected_start", {"long_weight": 3.0}, random.Random(seed))
+def _es(request: RouteRequest, *cands: Candidate, seed: int = 0, placement: str = "pack") -> str:
+    params = {"long_weight": 3.0, "long_placement": placement}
+    policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
 
 
@@ -231,6 +232,14 @@ def test_expected_start_keeps_short_requests_off_instances_running_long_work() -
     assert _es(short, busy_short, running_long) == "a"  # 21/16 + 0 < 2/16 + 3
 
 
+def test_a_deep_lane_repels_short_requests_no_more_than_two_long_requests() -> None:
+    short = RouteRequest(model=MODEL, level=1, batch=16)
+    lane = dataclasses.replace(cand("b", in_flight=8), ahead=0, long_in_flight=8)
+    # 6 short batches ahead on a: 97/16 = 6.06 > 3 x 2 = 6: spills onto the lane
+    assert _es(short, dataclasses.replace(cand("a", in_flight=96), ahead=96), lane) == "b"
+    assert _es(short, dataclasses.replace(cand("a", in_flight=94), ahead=94), lane) == "a"
+
+
 def test_expected_start_counts_only_work_at_the_same_or_higher_priority() -> None:
     short = RouteRequest(model=MODEL, level=1, batch=16)
     # b holds 40 requests, but all at lower priority levels: Triton serves this one first.
@@ -239,8 +248,55 @@ def test_expected_start_counts_only_work_at_the_same_or_higher_priority() -> Non
     assert _es(short, a, b) == "b"
 
 
-def test_expected_start_spreads_long_requests() -> None:
+def test_expected_start_spreads_long_requests_when_asked() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=1), long_in_flight=1)
     b = cand("b", in_flight=5)
-    assert _es(long, a, b) == "b"
+    assert _es(long, a, b, placement="spread") == "b"
+
+
+def test_expected_start_packs_long_requests_into_a_lane() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    short = cand("b", in_flight=1)
+    idle = cand("c", in_flight=0)
+    # joins the instance already running long work, not the idle one
+    assert _es(long, short, lane, idle) == "a"
+    # a full lane instance (2 x batch long in flight) opens the one with fewest short requests
+    full = dataclasses.replace(cand("a", in_flight=32), long_in_flight=32)
+    assert _es(long, short, full, idle) == "c"
+    assert _es(long, full, short) == "b"  # rather than go deeper into the full one
+
+
+def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    a = dataclasses.replace(cand("a", in_flight=4), long_in_flight=4)
+    b = cand("b", in_flight=0)
+    policy = build_policy("expected_start", {"lane_depth": 4}, random.Random(0))
+    assert policy.choose([a, b], long).name == "b"
+    policy = build_policy("expected_start", {"lane_depth": 5}, random.Random(0))
+    assert policy.choose([a, b], long).name == "a"
+
+
+def test_expected_start_packs_a_capped_class_by_its_own_work() -> None:
+    # a capped class fills the instance that holds the most of *its* requests, even where
+    # another instance holds more long work of other classes
+    capped = RouteRequest(model=MODEL, long=True, batch=16, class_name="offline", class_cap=8)
+    own = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3, class_in_flight=3)
+    others = dataclasses.replace(cand("b", in_flight=6), long_in_flight=6, class_in_flight=0)
+    assert _es(capped, others, own) == "a"
+    # the cap, not the long count, makes an instance full: 5 of the class + 3 other long
+    mixed = dataclasses.replace(cand("a", in_flight=8), long_in_flight=8, class_in_flight=5)
+    assert _es(capped, mixed, cand("c", in_flight=0)) == "a"
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"long_placement": "scatter"}, "long_placement: must be one of 'pack', 'spread'"),
+        ({"lane_depth": 0}, "lane_depth must be"),
+    ],
+)
+def test_expected_start_params_are_checked(params: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_policy("expected_start", params, random.Random(0))

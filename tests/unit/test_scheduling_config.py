@@ -151,3 +151,12 @@ def test_share_limit_and_reservation(
     )
     assert cls.share_limit(capacity) == limit
     assert cls.reserved(capacity) == reserved
+
+
+def test_spare_instances_need_a_per_instance_cap() -> None:
+    with pytest.raises(ValueError, match="spare_instances needs max_per_instance"):
+        ClassConfig(rank=1, spare_instances=1)
+    with pytest.raises(ValueError, match="spare_instances must be >= 0"):
+        ClassConfig(rank=1, max_per_instance=2, spare_instances=-1)
+    lane = ClassConfig(rank=1, max_per_instance=4, spare_instances=2)
+    assert [lane.share_limit(100, n) for n in (1, 2, 3, 5)] == [4, 4, 4, 12]

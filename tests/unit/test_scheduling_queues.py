@@ -335,3 +335,53 @@ def test_never_starves_any_class_over_a_long_saturated_run(dispatch: str) -> Non
         q.release(running.pop(0))
         now += 0.01
     assert all(seen[c] >= 150 for c in ("rt", "on", "off")), seen
+
+
+@pytest.mark.parametrize(("instances", "expected"), [(3, 16), (2, 8), (1, 8)])
+def test_spare_instances_shrink_a_capped_class_to_its_lane(instances: int, expected: int) -> None:
+    # max_per_instance 8 over all but one instance (never fewer than one): the gate admits
+    # no more of the class than its lane holds, whatever the capacity
+    q = make({"rt": {"rank": 0}, "off": {"rank": 1, "max_per_instance": 8, "spare_instances": 1}})
+    q.push("r0", "rt", 0.0)  # the spare is kept while a more important class is active
+    assert q.pop(0.0, 96, instances) is not None
+    for i in range(40):
+        q.push(f"o{i}", "off", 0.0)
+    out = []
+    while (e := q.pop(0.0, 96, instances)) is not None:
+        out.append(e.item)
+    assert len(out) == expected
+    q.push("r1", "rt", 0.0)
+    assert q.pop(0.0, 96, instances) is not None  # the other classes keep the rest
+
+
+def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() -> None:
+    q = make(
+        {
+            "rt": {"rank": 0},
+            "off": {
+                "rank": 1,
+                "max_per_instance": 8,
+                "spare_instances": 1,
+                "spare_idle_s": 1.0,
+            },
+        }
+    )
+    q.push("r1", "rt", 0.0)
+    assert q.pop(0.0, 96, 3) is not None
+    for i in range(40):
+        q.push(f"o{i}", "off", 0.0)
+
+    def pop_all(now: float) -> int:
+        n = 0
+        while q.pop(now, 96, 3) is not None:
+            n += 1
+        return n
+
+    assert pop_all(0.0) == 16  # rt in flight: the lane is 2 of 3 instances
+    q.release("rt")
+    assert pop_all(0.5) == 0  # rt arrived 0.5 s ago: the spare is still kept
+    assert pop_all(1.0) == 8  # idle for spare_idle_s: the spare is lent, 8 more
+    q.push("r2", "rt", 1.2)  # rt is back: no more offline until the lane is down to 16
+    assert q.pop(1.2, 96, 3) is not None
+    q.release("off")
+    assert pop_all(1.2) == 0
