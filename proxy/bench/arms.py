@@ -169,6 +169,7 @@ def _catalog() -> dict[str, ArmPlan]:
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,
             lowest_spare_instances=1,
+            policy_params={"long_placement": "pack"},
             scheduling={"concurrency": LANE_CONCURRENCY},
         ),
         ArmPlan(
@@ -179,6 +180,7 @@ def _catalog() -> dict[str, ArmPlan]:
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,
             lowest_spare_instances=1,
+            policy_params={"long_placement": "pack"},
             scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
         ArmPlan(

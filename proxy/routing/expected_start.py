@@ -17,10 +17,12 @@ class ExpectedStartParams:
     """How many full short batches one long request in flight is worth: roughly the time of a
     batch padded to a long request over that of a batch of short ones."""
 
-    long_placement: Literal["pack", "spread"] = "pack"
+    long_placement: Literal["pack", "spread"] = "spread"
     """``pack``: a long request joins the instance that already runs the most long work (a
-    *long lane*), so the other instances keep short batches; ``spread``: the fewest long
-    requests (issue 10's first version, which padded every instance's batches)."""
+    *long lane*), so the other instances keep short batches; ``spread`` (the default): the
+    fewest long requests. ``spread`` stays the default until ``pack`` wins in the benchmark: in
+    one run of the offline-burst scenario at 1.5x load the lane lost to spread with a cap of 1
+    (real-time P99 1.54x against 0.52x the best baseline, docs/benchmarks.md)."""
     lane_depth: int | None = None
     """``pack``: long requests of an uncapped class per instance before the lane opens
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A

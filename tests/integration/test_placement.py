@@ -95,7 +95,7 @@ async def test_a_class_capped_per_instance_never_exceeds_its_cap(triton_fleet: A
 
 
 LANE_POLICY: dict[str, Any] = {
-    "routing": {"policy": {"name": "expected_start"}},
+    "routing": {"policy": {"name": "expected_start", "params": {"long_placement": "pack"}}},
     "scheduling": {
         **POLICY["scheduling"],
         "classes": {

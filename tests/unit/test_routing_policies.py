@@ -272,9 +272,13 @@ def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=4), long_in_flight=4)
     b = cand("b", in_flight=0)
-    policy = build_policy("expected_start", {"lane_depth": 4}, random.Random(0))
+    policy = build_policy(
+        "expected_start", {"lane_depth": 4, "long_placement": "pack"}, random.Random(0)
+    )
     assert policy.choose([a, b], long).name == "b"
-    policy = build_policy("expected_start", {"lane_depth": 5}, random.Random(0))
+    policy = build_policy(
+        "expected_start", {"lane_depth": 5, "long_placement": "pack"}, random.Random(0)
+    )
     assert policy.choose([a, b], long).name == "a"
 
 
