@@ -3,6 +3,11 @@
 A policy is a small synchronous class: it sees the whole candidate list (healthy instances
 that serve the model) and a frozen view of each, and returns one. It does no I/O and keeps no
 clock of its own; randomness comes from the ``random.Random`` passed to its factory.
+
+Each policy decides in two ways that must agree: ``choose`` over a list (the definition) and
+``choose_view`` over a :class:`~proxy.routing.view.ModelView`, which the proxy uses per request
+because it does not grow with the fleet. A policy object serves one of the two ways: stateful
+policies (round robin, consistent hashing) keep separate state for each.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+
+if TYPE_CHECKING:
+    from proxy.routing.view import ModelView
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,18 @@ class RouteRequest:
 
 
 class Policy(Protocol):
+    reads_ahead: bool
+    """Whether decisions read ``Candidate.ahead`` (which depends on the request's priority
+    level): views are then kept per level."""
+
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        """Pick one of ``candidates`` (never empty)."""
+        """Pick one of ``candidates`` (never empty). The definition of the policy: linear in
+        the number of candidates."""
+        ...
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The same decision over a view of the candidates kept up to date between requests
+        (``proxy.routing.view``; never empty), without visiting every candidate."""
         ...
 
 
