@@ -67,13 +67,14 @@ class FleetPlacement:
 
     def candidate(self, inst: Instance, request: RouteRequest) -> Candidate:
         model = request.model
-        return Candidate(
+        return Candidate.fast(
             name=inst.name,
             in_flight=inst.in_flight,
             model_in_flight=inst.model_in_flight.get(model, 0),
             connections=self.upstreams.open_connections(inst) + inst.streams,
             snapshot=self.snapshots(inst.name),
             stale=False,  # judged by the router from the snapshot's age
+            weight=1.0,
             ahead=inst.ahead_of(model, request.level),
             long_in_flight=inst.long_in_flight.get(model, 0),
             class_in_flight=inst.class_in_flight.get((model, request.class_name or ""), 0),

@@ -15,7 +15,7 @@ from typing import Any
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.least_requests import LeastRequests, LeastRequestsParams
 from proxy.routing.select import load_params, pick_min
-from proxy.routing.view import LEVELS, Member, ModelView
+from proxy.routing.view import GONE, LEVELS, Member, ModelView
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class HashLoads:
         self._ring: frozenset[str] = frozenset()
         self.ring_builds = 0
         self._sum = [0] * LEVELS
-        self._out_at: list[set[str]] = [set() for _ in range(LEVELS)]
+        self._out_at: list[set[str]] = [set() for _ in range(LEVELS + 1)]
         self._off_ring: list[set[str]] = [set() for _ in range(LEVELS)]
         self._in_heap: list[list[tuple[int, int, str]]] = [[] for _ in range(LEVELS)]
         self._out_heap: list[list[tuple[int, int, str]]] = [[] for _ in range(LEVELS)]
@@ -234,13 +234,18 @@ class HashLoads:
         self._sum[m.level] += m.cand.in_flight
         if m.name not in self._ring:
             self._off_ring[m.level].add(m.name)
+        if m.name in self._out_at[GONE]:
+            self._out_at[GONE].discard(m.name)
+            self._out_at[m.level].add(m.name)
         self._push(m)
 
     def remove(self, m: Member) -> None:
         self._sum[m.level] -= m.cand.in_flight
         self._off_ring[m.level].discard(m.name)
-        self._out_at[m.level].discard(m.name)
-        self.out.discard(m.name)
+        if m.name in self._out_at[m.level]:
+            # Its mark goes at the next decision, unless it is back by then (see GONE).
+            self._out_at[m.level].discard(m.name)
+            self._out_at[GONE].add(m.name)
         del self._version[m.name]
 
     def change(self, m: Member, old_level: int, old: Candidate) -> None:
@@ -264,11 +269,12 @@ class HashLoads:
         """Apply this decision's "out" changes; the decision's filter level."""
         view = self._view
         level = view.min_level()
-        for other in range(LEVELS):
+        for other in range(LEVELS + 1):
             if other != level and self._out_at[other]:
                 for name in self._out_at[other]:
                     self.out.discard(name)
-                    self._push(view.members[name])
+                    if other != GONE:
+                        self._push(view.members[name])
                 self._out_at[other].clear()
         if self._off_ring[level]:
             names = frozenset(m.name for m in view.members.values() if m.level == level)

@@ -20,7 +20,6 @@ refreshed from the fleet's change journal, and runs the policy's ``choose_view``
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import Counter, defaultdict
@@ -93,7 +92,8 @@ class Router:
         self.retry_budget = RetryBudget(config.retry, clock)
         """Shared by every request routed here; ``record_request()`` / ``try_retry()``."""
         self._policies: dict[str, tuple[str, Policy]] = {}
-        self._views: dict[tuple[CandidateSource, Shape], ModelView] = {}
+        self._by_shape: dict[tuple[CandidateSource, Shape], ModelView] = {}
+        self._views: dict[tuple[object, ...], ModelView] = {}
 
     def policy(self, model: str) -> tuple[str, Policy]:
         """``(policy name, policy)`` serving ``model``."""
@@ -137,7 +137,7 @@ class Router:
         weight = max(weight, MIN_WEIGHT)
         if snapshot is c.snapshot and is_stale == c.stale and weight == c.weight:
             return c, status, due  # the common case; replace() costs microseconds
-        return dataclasses.replace(c, snapshot=snapshot, stale=is_stale, weight=weight), status, due
+        return c.prepared(snapshot, is_stale, weight), status, due
 
     def prepare(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
         """Candidates as the policy will see them (rules 2-4 of the module docstring)."""
@@ -179,10 +179,17 @@ class Router:
         began = time.perf_counter()
         now = self._clock.now()
         name, policy = self.policy(request.model)
-        shape = Shape.of(request, policy.reads_ahead)
-        view = self._views.get((source, shape))
+        key = (source, request.model, request.class_name, request.class_cap, request.level)
+        view = self._views.get(key)
         if view is None:
-            view = self._views[(source, shape)] = ModelView(source, shape.request(request), self)
+            shape = Shape.of(request, policy.reads_ahead)
+            view = self._by_shape.get((source, shape))
+            if view is None:
+                view = ModelView(source, shape.request(request), self)
+                self._by_shape[(source, shape)] = view
+            # Several keys may share one view (a class without a cap, a level the policy
+            # does not read): the plain tuple is what each request pays to find it.
+            self._views[key] = view
         view.sync(now)
         removed = view.exclude(exclude) if exclude else []
         try:

@@ -47,6 +47,10 @@ NO_SNAPSHOT, FRESH, STALE = 0, 1, 2
 """Status of a candidate's scraped snapshot (before the engine's rule 4 strips it)."""
 LEVELS = 4
 """Filter levels: ``2 * (no free slot) + (class at its per-instance cap)``."""
+GONE = LEVELS
+"""Where policy state keeps an instance that left the view since the last decision: the
+linear form only notices absence at a decision, so one that left and came back in between
+keeps its state."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,13 @@ class ModelView:
     def sync(self, now: float) -> None:
         """Refresh what changed since the last call: journal entries and due timers."""
         journal = self.source.journal
+        timers = self._timers
+        if (
+            journal.end == self._offset
+            and journal.epoch == self._epoch
+            and not (timers and timers[0][0] <= now)
+        ):
+            return  # nothing changed: the common case between two decisions in one burst
         names = journal.since(self._epoch, self._offset)
         if names is None:
             self._epoch, self._offset = journal.epoch, journal.end
@@ -166,18 +177,19 @@ class ModelView:
                 self._drop(self.members[gone])
         else:
             self._offset = journal.end
-            todo = dict.fromkeys(names)
-        timers = self._timers
+            todo = dict.fromkeys(names, False)
         while timers and timers[0][0] <= now:
             due, name = heapq.heappop(timers)
             m = self.members.get(name)
             if m is not None and m.due == due:
                 m.due = None
-                todo[name] = None
-        for name in todo:
-            self._refresh(name, now)
+                todo[name] = True
+        for name, timed in todo.items():
+            self._refresh(name, now, timed is not False)
 
-    def _refresh(self, name: str, now: float) -> None:
+    def _refresh(self, name: str, now: float, timed: bool) -> None:
+        """Rebuild ``name``'s candidate; ``timed``: a timer fired for it (or a rebuild), so
+        the engine's rules must run again even on the same snapshot."""
         built = self.source.build(name, self.request)
         m = self.members.get(name)
         if built is None:
@@ -192,7 +204,7 @@ class ModelView:
             self._prepare(m, now)
             self._add(m)
         else:
-            self._set(m, raw, level, now)
+            self._set(m, raw, level, now, timed)
 
     def _prepare(self, m: Member, now: float) -> None:
         m.cand, m.status, due = self._prep.prepare_one(m.raw, self.model, now, self.strip)
@@ -201,12 +213,23 @@ class ModelView:
             heapq.heappush(self._timers, (due, m.name))
         m.due = due
 
-    def _set(self, m: Member, raw: Candidate, level: int, now: float) -> None:
+    def _set(self, m: Member, raw: Candidate, level: int, now: float, again: bool = True) -> None:
         old_level, old, old_status = m.level, m.cand, m.status
+        old_raw = m.raw
         m.raw, m.level = raw, level
-        self._prepare(m, now)
-        self._count(old_level, old_status, -1)
-        self._count(m.level, m.status, 1)
+        if again or raw.snapshot is not old_raw.snapshot or m.stripped != self.strip:
+            self._prepare(m, now)
+        elif old is old_raw:
+            m.cand = raw
+        else:
+            # Same snapshot, no timer due: the engine's rules would give the same snapshot,
+            # staleness and weight (only counts moved). Measured: 0.9 µs saved per refresh.
+            m.cand = raw.prepared(old.snapshot, old.stale, old.weight)
+        if old_level != level or old_status != m.status:
+            self._count(old_level, old_status, -1)
+            self._count(level, m.status, 1)
+        # Each index returns early when what it reads did not move (most touches move one
+        # count, or bring a snapshot that changes no key).
         for index in self.indexes.values():
             index.change(m, old_level, old)
 
@@ -278,8 +301,11 @@ class ModelView:
         return found  # type: ignore[return-value]
 
     def ordering(self, tag: Hashable, key: Callable[[Candidate], tuple[float, ...]]) -> Ordering:
-        """Candidates sorted by ``key`` (one ordering per ``tag``)."""
-        return self.index(("ordering", tag), lambda: Ordering(key))
+        """Candidates sorted by ``key`` (one ordering per ``tag``, which names the key)."""
+        found = self.indexes.get(tag)
+        if isinstance(found, Ordering):
+            return found
+        return self.index(tag, lambda: Ordering(key))
 
     def in_order(self) -> LevelSequence:
         """The candidates of this decision, in fleet order, indexable."""
@@ -295,7 +321,8 @@ def _no_key(c: Candidate) -> tuple[float, ...]:
     return ()
 
 
-Entry = tuple[int, tuple[float, ...], int, Member]
+Entry = tuple[object, ...]
+"""``(level, *key(candidate), position, member)``: flat, so comparing two costs less."""
 
 
 class Ordering:
@@ -307,7 +334,7 @@ class Ordering:
         self._entries: dict[str, Entry] = {}
 
     def add(self, m: Member) -> None:
-        entry = (m.level, self.key(m.cand), m.pos, m)
+        entry = (m.level, *self.key(m.cand), m.pos, m)
         self._entries[m.name] = entry
         bisect.insort(self.items, entry)
 
@@ -316,8 +343,11 @@ class Ordering:
         del self.items[bisect.bisect_left(self.items, entry)]
 
     def change(self, m: Member, old_level: int, old: Candidate) -> None:
-        self.remove(m)
-        self.add(m)
+        entry = (m.level, *self.key(m.cand), m.pos, m)
+        if entry != self._entries[m.name]:  # e.g. a new snapshot a key does not read
+            self.remove(m)
+            self._entries[m.name] = entry
+            bisect.insort(self.items, entry)
 
     def pick_min(self, rng: random.Random) -> Candidate:
         """The lowest key of the lowest level; ties uniformly at random, drawn exactly as
@@ -325,10 +355,11 @@ class Ordering:
         items = self.items
         if not items:
             raise ValueError("no candidates")
-        level, key = items[0][0], items[0][1]
-        ties = bisect.bisect_right(items, (level, key, math.inf))
+        first = items[0]
+        ties = bisect.bisect_right(items, (*first[:-2], math.inf))
         # rng.choice(best) is best[rng._randbelow(len(best))], as is rng.randrange(len(best)).
-        return items[0][3].cand if ties == 1 else items[rng.randrange(ties)][3].cand
+        entry = first if ties == 1 else items[rng.randrange(ties)]
+        return entry[-1].cand  # type: ignore[attr-defined, no-any-return]
 
 
 class LevelSequence(Sequence[Candidate]):
@@ -349,13 +380,19 @@ class LevelSequence(Sequence[Candidate]):
 
     def __getitem__(self, i: int | slice) -> Candidate | Sequence[Candidate]:
         if isinstance(i, slice):
-            return [e[3].cand for e in self._items[: self._size][i]]
+            return [_cand(e) for e in self._items[: self._size][i]]
         if not -self._size <= i < self._size:
             raise IndexError(i)
-        return self._items[i % self._size][3].cand
+        return _cand(self._items[i % self._size])
 
     def __iter__(self) -> Iterator[Candidate]:
-        return (e[3].cand for e in self._items[: self._size])
+        return (_cand(e) for e in self._items[: self._size])
+
+
+def _cand(entry: Entry) -> Candidate:
+    member = entry[-1]
+    assert isinstance(member, Member)
+    return member.cand
 
 
 class WeightTree:
@@ -389,6 +426,8 @@ class WeightTree:
     def change(self, m: Member, old_level: int, old: Candidate) -> None:
         if old_level != m.level:
             self._set(old_level, m.pos, 0.0)
+        elif old.weight == m.cand.weight:
+            return
         self._set(m.level, m.pos, weight_of(m.cand))
 
     def pick(self, rng: random.Random) -> Candidate:
@@ -424,8 +463,9 @@ class Rotation:
     ``current_i = b_i + w_i * t`` after ``t`` picks, so a pick only moves the chosen ``b``
     (``b -= Σ w``), and the largest ``current`` among candidates of one weight is the largest
     ``b``: one heap per distinct weight (a few: 1, the feedback steps, the stale penalty).
-    State of a candidate absent from a decision (another filter level, excluded) is dropped,
-    and a newcomer draws its rank in fleet order, as in the linear form. Identical picks while
+    State of a candidate absent from a decision (another filter level, excluded, out of the
+    view) is dropped at that decision, and a newcomer draws its rank in fleet order, as in
+    the linear form. Identical picks while
     the arithmetic is exact (power-of-two weights); with others ``b + w * t`` and repeated
     addition may round apart.
     """
@@ -437,27 +477,35 @@ class Rotation:
         """name -> [b, weight, rank]"""
         self._heaps: dict[float, list[tuple[float, float, str]]] = {}
         self._weights: dict[float, int] = {}
-        self._kept: list[set[str]] = [set() for _ in range(LEVELS)]
+        self._kept: list[set[str]] = [set() for _ in range(LEVELS + 1)]
         self._new: list[set[str]] = [set() for _ in range(LEVELS)]
 
     def add(self, m: Member) -> None:
-        self._new[m.level].add(m.name)
+        if m.name in self._kept[GONE]:
+            self._kept[GONE].discard(m.name)
+            self._kept[m.level].add(m.name)
+            self._reweigh(m)
+        else:
+            self._new[m.level].add(m.name)
 
     def remove(self, m: Member) -> None:
         self._new[m.level].discard(m.name)
-        self._kept[m.level].discard(m.name)
         if m.name in self._state:
-            self._forget(m.name)
+            self._kept[m.level].discard(m.name)
+            self._kept[GONE].add(m.name)
 
     def change(self, m: Member, old_level: int, old: Candidate) -> None:
-        st = self._state.get(m.name)
-        if st is None:
+        if m.name not in self._state:
             self._new[old_level].discard(m.name)
             self._new[m.level].add(m.name)
             return
         if old_level != m.level:
             self._kept[old_level].discard(m.name)
             self._kept[m.level].add(m.name)
+        self._reweigh(m)
+
+    def _reweigh(self, m: Member) -> None:
+        st = self._state[m.name]
         weight = weight_of(m.cand)
         if weight != st[1]:
             t = self.picks
@@ -481,11 +529,12 @@ class Rotation:
 
     def choose(self, view: ModelView) -> Candidate:
         level = view.min_level()
-        for other in range(LEVELS):
+        for other in range(LEVELS + 1):
             if other != level and self._kept[other]:
                 for name in self._kept[other]:
                     self._forget(name)
-                    self._new[other].add(name)
+                    if other != GONE:
+                        self._new[other].add(name)
                 self._kept[other].clear()
         t = self.picks
         if self._new[level]:

@@ -180,10 +180,21 @@ SHARED_FIELDS = ("name", "in_flight", "model_in_flight", "connections", "long_in
 PREPARED_FIELDS = ("snapshot", "stale", "weight")
 
 
-def compare(policy: str, seed: int, n: int, steps: int, *, filters: bool, feedback: bool) -> int:
+def compare(
+    policy: str,
+    seed: int,
+    n: int,
+    steps: int,
+    *,
+    filters: bool,
+    feedback: bool,
+    journal_limit: int | None = None,
+) -> int:
     """Runs both paths side by side; returns how many decisions were compared."""
     compared = 0
     with world(seed, n) as w:
+        if journal_limit is not None:
+            w.fleet.journal.limit = journal_limit
         if policy in STATEFUL:
             w.classes = (w.rng.choice(w.classes),)
         w.caps["batch"] = w.rng.choice((1, 2))
@@ -230,6 +241,18 @@ def test_larger_fleet_past_random_sample_copy_threshold(policy: str) -> None:
     compare(policy, 5, n=40, steps=300, filters=True, feedback=False)
 
 
+@pytest.mark.parametrize("policy", STATEFUL)
+@pytest.mark.parametrize("seed", range(6))
+def test_stateful_policies_on_small_busy_fleets(policy: str, seed: int) -> None:
+    # Few instances: "out" marks, filter levels and rotations change often.
+    compare(policy, 100 + seed, n=6, steps=300, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_reader_far_behind_the_journal_rebuilds_and_still_agrees(policy: str) -> None:
+    compare(policy, 21, n=10, steps=200, filters=True, feedback=False, journal_limit=3)
+
+
 def test_view_refreshes_only_what_changed() -> None:
     with world(0, 50) as w:
         _, fast = routers("least_requests", w.clock, 0, feedback=False)
@@ -253,6 +276,19 @@ def test_view_refreshes_only_what_changed() -> None:
         assert chosen is not None and chosen.name != "t7"  # it is the busiest now
         placement.pick(request, frozenset())
         assert calls == ["t7", "t7"] and view.rebuilds == 1
+
+
+def test_draining_reaches_the_view() -> None:
+    with world(0, 3) as w:
+        _, fast = routers("least_requests", w.clock, 0, feedback=False)
+        placement = w.placement(fast)
+        request = RouteRequest(model="m")
+        for inst in w.fleet.all()[1:]:
+            inst.draining.add("m")
+        assert placement.pick(request, frozenset()).name == "t0"  # type: ignore[union-attr]
+        w.fleet.get("t2").draining.discard("m")
+        with w.fleet.track(w.fleet.get("t0"), "m"):
+            assert placement.pick(request, frozenset()).name == "t2"  # type: ignore[union-attr]
 
 
 def _specs_without(w: World, name: str) -> tuple[InstanceSpec, ...]:
