@@ -107,28 +107,31 @@ class Router:
         return entry
 
     def prepare_one(
-        self, c: Candidate, model: str, now: float, strip: bool
-    ) -> tuple[Candidate, int, float | None]:
+        self, c: Candidate, model: str, now: float, strip: bool, evaluate: bool = True
+    ) -> tuple[Candidate, int, float | None, float | None]:
         """One candidate as policies see it (rules 2-4; ``strip``: rule 4 applies), its
-        snapshot's status (``NO_SNAPSHOT``, ``FRESH``, ``STALE``) and the clock time from which
-        preparing it again could give another answer (it turns stale, or a feedback window is
-        due), or None."""
+        snapshot's status (``NO_SNAPSHOT``, ``FRESH``, ``STALE``), when it turns stale (or
+        None), and from when a feedback window may be evaluated on it (or None).
+        ``evaluate=False`` reads the feedback weight without evaluating a window: a view
+        evaluates only the candidates of a decision, as the linear path does."""
         snapshot = c.snapshot
         status = NO_SNAPSHOT
-        due: float | None = None
+        stale_at: float | None = None
         limit = self.config.stale_after_s
         if snapshot is not None:
             if now - snapshot.taken_at > limit:
                 status = STALE
             else:
-                status, due = FRESH, snapshot.taken_at + limit
+                status, stale_at = FRESH, snapshot.taken_at + limit
         weight = c.weight
         feedback = self.feedback
+        window_at: float | None = None
         if feedback is not None:
-            weight *= feedback.weight(c.name, model, snapshot, now)
-            again = feedback.due_at(c.name, model, snapshot)
-            if again is not None and (due is None or again < due):
-                due = again
+            if evaluate:
+                weight *= feedback.weight(c.name, model, snapshot, now)
+            else:
+                weight *= feedback.current(c.name, model)
+            window_at = feedback.due_at(c.name, model, snapshot)
         is_stale = status == STALE
         if strip:
             snapshot, is_stale = None, False
@@ -136,8 +139,8 @@ class Router:
             weight *= self.config.stale_weight
         weight = max(weight, MIN_WEIGHT)
         if snapshot is c.snapshot and is_stale == c.stale and weight == c.weight:
-            return c, status, due  # the common case; replace() costs microseconds
-        return c.prepared(snapshot, is_stale, weight), status, due
+            return c, status, stale_at, window_at  # the common case
+        return c.prepared(snapshot, is_stale, weight), status, stale_at, window_at
 
     def prepare(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
         """Candidates as the policy will see them (rules 2-4 of the module docstring)."""
@@ -198,6 +201,7 @@ class Router:
             reason = view.settle_mode(now)
             if reason is not None:
                 self.stats.record_fallback(request.model, reason)
+            view.evaluate_feedback(now, exclude)
             chosen = policy.choose_view(view, request)
         finally:
             if removed:

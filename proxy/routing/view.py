@@ -100,8 +100,8 @@ class Preparer(Protocol):
     """The engine's per-candidate rules (``Router.prepare_one``)."""
 
     def prepare_one(
-        self, c: Candidate, model: str, now: float, strip: bool
-    ) -> tuple[Candidate, int, float | None]: ...
+        self, c: Candidate, model: str, now: float, strip: bool, evaluate: bool = True
+    ) -> tuple[Candidate, int, float | None, float | None]: ...
 
 
 class Member:
@@ -152,6 +152,9 @@ class ModelView:
         """Rule 4 in force: no candidate of the lowest level has a fresh snapshot."""
         self.indexes: dict[Hashable, ViewIndex] = {}
         self._timers: list[tuple[float, str]] = []
+        self._windows: list[set[str]] = [set() for _ in range(LEVELS)]
+        """Per filter level, members on which a feedback window may be evaluated: the
+        linear path evaluates at the first decision that has them among its candidates."""
         self._epoch = -1
         self._offset = 0
         self.rebuilds = 0
@@ -206,17 +209,51 @@ class ModelView:
         else:
             self._set(m, raw, level, now, timed)
 
-    def _prepare(self, m: Member, now: float) -> None:
-        m.cand, m.status, due = self._prep.prepare_one(m.raw, self.model, now, self.strip)
+    def _prepare(self, m: Member, now: float, evaluate: bool = False) -> None:
+        m.cand, m.status, due, window_at = self._prep.prepare_one(
+            m.raw, self.model, now, self.strip, evaluate
+        )
         m.stripped = self.strip
+        if window_at is not None and window_at <= now:
+            # Due, or due within float rounding of the feedback's own test: tried again at
+            # each decision until it evaluates, as the linear path tries at each decision.
+            self._windows[m.level].add(m.name)
+        else:
+            self._windows[m.level].discard(m.name)
+            if window_at is not None and (due is None or window_at < due):
+                due = window_at
         if due is not None and due != m.due:
             heapq.heappush(self._timers, (due, m.name))
         m.due = due
+
+    def evaluate_feedback(self, now: float, excluded: frozenset[str]) -> None:
+        """Evaluate due feedback windows of this decision's candidates (``excluded`` ones
+        wait for a decision that has them)."""
+        level = self.min_level()
+        waiting = self._windows[level]
+        if not waiting:
+            return
+        for name in list(waiting):
+            m = self.members.get(name)
+            if m is None:
+                if name not in excluded:
+                    waiting.discard(name)  # left the view; re-checked if it comes back
+                continue
+            old, old_status = m.cand, m.status
+            self._prepare(m, now, evaluate=True)
+            if old_status != m.status:  # cannot move at the same instant; kept exact anyway
+                self._count(m.level, old_status, -1)
+                self._count(m.level, m.status, 1)
+            for index in self.indexes.values():
+                index.change(m, m.level, old)
 
     def _set(self, m: Member, raw: Candidate, level: int, now: float, again: bool = True) -> None:
         old_level, old, old_status = m.level, m.cand, m.status
         old_raw = m.raw
         m.raw, m.level = raw, level
+        if level != old_level and m.name in self._windows[old_level]:
+            self._windows[old_level].discard(m.name)
+            self._windows[level].add(m.name)
         if again or raw.snapshot is not old_raw.snapshot or m.stripped != self.strip:
             self._prepare(m, now)
         elif old is old_raw:

@@ -229,10 +229,10 @@ def test_view_decides_as_the_linear_path(policy: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_same_with_feedback_weights(policy: str) -> None:
-    # Feedback windows are evaluated for every instance in the view (the linear path
-    # evaluates only the candidates a filter kept), so compare without per-request filters.
-    compare(policy, 11, n=10, steps=600, filters=False, feedback=True)
+@pytest.mark.parametrize("filters", [False, True])
+def test_same_with_feedback_weights(policy: str, filters: bool) -> None:
+    # Windows are evaluated only on a decision's candidates, as the linear path does.
+    compare(policy, 11, n=10, steps=500, filters=filters, feedback=True)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
