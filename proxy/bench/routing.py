@@ -13,7 +13,9 @@ same decision (``tests/unit/test_routing_view.py`` checks they agree):
   :meth:`proxy.routing.engine.Router.choose` prepares and scans them (the path before issue 13);
 - ``view``: :meth:`proxy.placement.FleetPlacement.pick`, i.e. :meth:`Router.place` on views
   kept up to date by the fleet's change journal. Its time includes refreshing what changed
-  since the previous decision (the finished request, the new one, the new snapshot).
+  since the previous decision (the finished request, the new one, the new snapshot);
+- ``idle``: the same with nothing changed since the previous decision: the decision alone
+  (what a burst of requests pays, or the view path less its upkeep).
 
 Each call is timed on its own (``perf_counter_ns``, whose own cost, about 0.1 µs, is
 included); the events between calls are not. ``first_view_us`` is the first decision of a new
@@ -41,10 +43,12 @@ from proxy.routing.engine import Router
 from proxy.routing.registry import POLICIES
 
 MODEL = "m"
-SIZES = (3, 10, 100, 1000)
+SIZES = (3, 10, 100, 1000, 10000)
+LINEAR_UP_TO = 1000
+"""The linear path is not timed above this size (about 0.1 s a call at 10,000)."""
 TARGET_US = 20.0
 """The decision budget at 1,000 instances (issue 13)."""
-KINDS = ("linear", "view")
+KINDS = ("linear", "view", "idle")
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class RoutingPoint:
     policy: str
     instances: int
     kind: str
-    """``linear`` (every candidate built and scanned) or ``view`` (``Router.place``)."""
+    """``linear`` (every candidate built and scanned), ``view`` (``Router.place``, upkeep
+    included) or ``idle`` (``Router.place`` with nothing to refresh)."""
     calls: int
     p50_us: float
     p99_us: float
@@ -177,7 +182,7 @@ def _point(
 
 
 def _placer(kind: str, router: Router) -> Placer:
-    if kind == "view":
+    if kind != "linear":
         return lambda request, source, exclude: router.place(request, source, exclude)
 
     def linear(
@@ -209,8 +214,10 @@ def measure_policy(
         clock = time.perf_counter_ns
         first: float | None = None
         timed: list[float] = []
+        moving = kind != "idle"
         for i in range(warmup + calls):
-            sim.between()
+            if moving:
+                sim.between()
             began = clock()
             chosen = placement.pick(requests[i % len(requests)], none)
             spent = (clock() - began) / 1000.0
@@ -218,7 +225,7 @@ def measure_policy(
                 first = spent
             if i >= warmup:
                 timed.append(spent)
-            if chosen is not None:
+            if chosen is not None and moving:
                 sim.start(chosen)
         sim.close()
         out.append(_point(policy, n, kind, timed, first))
@@ -239,7 +246,10 @@ def measure_all(
             # The linear path at large sizes is slow: fewer calls keep the run short; 500
             # still gives a P99.
             k = calls if n <= 100 else max(500, calls // 4)
-            points += measure_policy(name, n, calls=k, seed=seed)
+            kinds = KINDS if n <= LINEAR_UP_TO else tuple(k for k in KINDS if k != "linear")
+            points += measure_policy(
+                name, n, calls=k, seed=seed, warmup=200 if n <= 100 else 50, kinds=kinds
+            )
     return points
 
 
@@ -267,11 +277,12 @@ def render(points: Sequence[RoutingPoint]) -> str:
                     first = p.first_view_us
             tail = f"{first:>14.0f}" if first is not None else f"{'':>14}"
             lines.append(f"{policy:<20} {kind:<7}" + "".join(cells) + tail)
-    big = [p for p in points if p.kind == "view" and p.instances == max(sizes)]
-    if big:
-        within = [p.policy for p in big if p.p50_us <= TARGET_US]
-        lines.append(
-            f"view P50 <= {TARGET_US:g} µs at n={max(sizes)}: "
-            + (", ".join(within) if within else "none")
-        )
+    for kind in ("view", "idle"):
+        big = [p for p in points if p.kind == kind and p.instances == 1000]
+        if big:
+            within = [p.policy for p in big if p.p50_us <= TARGET_US]
+            lines.append(
+                f"{kind} P50 <= {TARGET_US:g} µs at n=1000: "
+                + (", ".join(within) if within else "none")
+            )
     return "\n".join(lines)

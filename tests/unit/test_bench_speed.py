@@ -68,7 +68,7 @@ def test_routing_microbenchmark_times_every_policy():
     for name in POLICIES:
         points += measure_policy(name, 5, calls=20, warmup=2)
     assert {(p.policy, p.kind) for p in points} == {
-        (n, k) for n in POLICIES for k in ("linear", "view")
+        (n, k) for n in POLICIES for k in ("linear", "view", "idle")
     }
     assert all(0 < p.p50_us <= p.p99_us for p in points)
     assert all((p.first_view_us is not None) == (p.kind == "view") for p in points)
