@@ -235,9 +235,10 @@ class ModelView:
             return
         for name in list(waiting):
             m = self.members.get(name)
-            if m is None:
-                if name not in excluded:
-                    waiting.discard(name)  # left the view; re-checked if it comes back
+            if m is None or m.level != level:
+                if m is not None or name not in excluded:
+                    # Left the view (re-checked if it comes back) or came back elsewhere.
+                    waiting.discard(name)
                 continue
             old, old_status = m.cand, m.status
             self._prepare(m, now, evaluate=True)
