@@ -164,6 +164,7 @@ class HttpUpstreams:
         if pool is not None and pool.url == instance.spec.http:
             del self._pools[instance.name]
             self._retire(pool)
+            self.fleet.touch(instance.name)  # its busy connections no longer count
 
     async def retire(self, keep: set[str]) -> None:
         """Retire the pools of instances no longer in the fleet (or whose address changed)."""
