@@ -20,12 +20,16 @@ linear path keeps are exactly those at the lowest level present ("free or all", 
 the cap or all"), so every index answers for that level. Instances a retry excludes are taken
 out for one decision and put back.
 
-Cost of a decision: O((k + 1) log n) where k is the number of journal entries since the
-view's previous decision (about two per request: its start and its finish). Sorted lists
-shift pointers with ``list.insert`` / ``del`` (C ``memmove``, n pointers, about 0.1 µs at
-n = 1,000); everything else is logarithmic. What can differ from the linear path is said where
-it can: float sums of non-power-of-two weights (``random``, ``round_robin``), and policy state
-per shape instead of per model.
+Cost of a decision: O((k + 1) log n) where k is the number of instances named by the journal
+or a timer since the view's previous decision (a request's start and finish, new snapshots at
+instances / scrape interval). Sorted lists shift pointers with ``list.insert`` / ``del`` (C
+``memmove``, n pointers, a few hundred ns at n = 1,000); everything else is logarithmic.
+
+Decisions are the linear path's (``tests/unit/test_routing_view.py`` runs both side by side).
+What that rests on is said where it applies: exact float sums for ``random`` and
+``round_robin`` (power-of-two weights), policy state per shape rather than per model
+(``round_robin``, ``consistent_hash``), connections held by aiohttp read at the instance's next
+change (``least_connections``), and every input reaching the journal.
 """
 
 from __future__ import annotations
