@@ -5,14 +5,16 @@ Feedback weights and staleness are applied by the router (``proxy.routing.engine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
-from proxy.fleet.instances import Fleet, Instance
+from proxy.fleet.instances import ChangeJournal, Fleet, Instance
 from proxy.fleet.snapshot import InstanceSnapshot
 from proxy.fleet.upstream import HttpUpstreams
 from proxy.routing.base import Candidate, RouteRequest
 
-Chooser = Callable[[Sequence[Candidate], RouteRequest], Candidate]
+Placer = Callable[[RouteRequest, "FleetPlacement", frozenset[str]], Candidate | None]
+"""(request, candidate source, excluded names) -> the chosen candidate, or None if none
+(``Router.place`` of the router in force)."""
 SnapshotSource = Callable[[str], InstanceSnapshot | None]
 """instance name -> its last scraped snapshot, or None"""
 
@@ -30,61 +32,92 @@ def _no_limit(instance: str, model: str) -> int | None:
 
 
 class FleetPlacement:
+    """The candidate source of routing (``proxy.routing.view.CandidateSource``) over the
+    fleet's live state, and the per-request filters placement applies.
+
+    Filters: instances with a free slot (adaptive concurrency) if any, else all; of those,
+    instances under the class's per-instance cap (``max_per_instance``) if any, else all.
+    The gate admits no more than the sum of the slots (and cap x instances of a capped
+    class), so one has room unless a retry excluded it; then any instance serves rather
+    than none. A candidate's *filter level* (``2 * full + at_cap``) encodes both: the kept
+    candidates are those at the lowest level present.
+    """
+
     def __init__(
         self,
         fleet: Fleet,
         upstreams: HttpUpstreams,
-        chooser: Chooser,
+        placer: Placer,
         snapshots: SnapshotSource = _no_snapshot,
         slot_limit: SlotLimit = _no_limit,
     ) -> None:
         self.fleet = fleet
         self.upstreams = upstreams
-        self.chooser = chooser
+        self.placer = placer
         self.snapshots = snapshots
         self.slot_limit = slot_limit
+
+    @property
+    def journal(self) -> ChangeJournal:
+        return self.fleet.journal
+
+    @property
+    def positions(self) -> Mapping[str, int]:
+        return self.fleet.positions
+
+    def candidate(self, inst: Instance, request: RouteRequest) -> Candidate:
+        model = request.model
+        return Candidate.fast(
+            name=inst.name,
+            in_flight=inst.in_flight,
+            model_in_flight=inst.model_in_flight.get(model, 0),
+            connections=self.upstreams.open_connections(inst) + inst.streams,
+            snapshot=self.snapshots(inst.name),
+            stale=False,  # judged by the router from the snapshot's age
+            weight=1.0,
+            ahead=inst.ahead_of(model, request.level),
+            long_in_flight=inst.long_in_flight.get(model, 0),
+            class_in_flight=inst.class_in_flight.get((model, request.class_name or ""), 0),
+        )
+
+    def level(self, c: Candidate, request: RouteRequest) -> int:
+        """``2 * (no free slot) + (the class at its per-instance cap)``."""
+        limit = self.slot_limit(c.name, request.model)
+        full = limit is not None and c.model_in_flight >= limit
+        cap = request.class_cap
+        return 2 * full + (cap is not None and c.class_in_flight >= cap)
+
+    def build(self, name: str, request: RouteRequest) -> tuple[Candidate, int] | None:
+        inst = self.fleet.instances.get(name)
+        model = request.model
+        if inst is None or not inst.serves(model) or model in inst.draining:
+            return None
+        c = self.candidate(inst, request)
+        return c, self.level(c, request)
 
     def candidates(
         self, request: RouteRequest, exclude: frozenset[str] = frozenset()
     ) -> list[Candidate]:
+        """Every instance that could take ``request``, before the filters (linear)."""
         model = request.model
-        out = []
-        for inst in self.fleet.serving(model):
-            if inst.name in exclude or model in inst.draining:
-                continue
-            out.append(
-                Candidate(
-                    name=inst.name,
-                    in_flight=inst.in_flight,
-                    model_in_flight=inst.model_in_flight.get(model, 0),
-                    connections=self.upstreams.open_connections(inst) + inst.streams,
-                    snapshot=self.snapshots(inst.name),
-                    stale=False,  # judged by the router from the snapshot's age
-                    ahead=inst.ahead_of(model, request.level),
-                    long_in_flight=inst.long_in_flight.get(model, 0),
-                    class_in_flight=inst.class_in_flight.get((model, request.class_name or ""), 0),
-                )
-            )
-        return out
+        return [
+            self.candidate(inst, request)
+            for inst in self.fleet.serving(model)
+            if inst.name not in exclude and model not in inst.draining
+        ]
 
-    def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
+    def filtered(
+        self, request: RouteRequest, exclude: frozenset[str] = frozenset()
+    ) -> list[Candidate]:
+        """The candidates the router chooses among: those at the lowest filter level (linear;
+        :meth:`pick` gets the same decision from a view kept up to date)."""
         candidates = self.candidates(request, exclude)
         if not candidates:
-            return None
-        # Instances with a free slot (adaptive concurrency). The gate admits no more than the
-        # sum of the slots, so one has room unless a retry excluded it; then any serves.
-        free = [
-            c
-            for c in candidates
-            if (limit := self.slot_limit(c.name, request.model)) is None
-            or c.model_in_flight < limit
-        ]
-        candidates = free or candidates
-        cap = request.class_cap
-        if cap is not None:
-            # The class's per-instance cap (max_per_instance). The gate admits at most
-            # cap x healthy instances of the class, so one is under the cap unless a retry
-            # excluded it; then any instance serves rather than none.
-            under = [c for c in candidates if c.class_in_flight < cap]
-            candidates = under or candidates
-        return self.fleet.get(self.chooser(candidates, request).name)
+            return []
+        levels = [self.level(c, request) for c in candidates]
+        low = min(levels)
+        return [c for c, lv in zip(candidates, levels, strict=True) if lv == low]
+
+    def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
+        chosen = self.placer(request, self, exclude)
+        return None if chosen is None else self.fleet.get(chosen.name)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from proxy.budget import ByteBudget
 from proxy.canary import CANARY, MAIN, Splitter
@@ -126,6 +126,7 @@ class Runtime:
                 report_path=role.report_file(),
                 on_state=self._adopt_control,
             )
+        self.scraper.on_change = self.fleet.touch
         self._publisher: asyncio.Task[None] | None = None
         # The leader worker shares its drain marks and class factors (proxy.workers).
         self._followers: FollowerReports | None = None
@@ -139,7 +140,7 @@ class Runtime:
         )
         self.router = Router(config.routing, clock, rng, observer=self._decided)
         self.placement = FleetPlacement(
-            self.fleet, self.upstreams, self._choose, self.scraper.snapshot, self._slot_limit
+            self.fleet, self.upstreams, self._place, self.scraper.snapshot, self._slot_limit
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -197,7 +198,7 @@ class Runtime:
         self.canary_placement = FleetPlacement(
             self.fleet,
             self.upstreams,
-            self._choose_canary,
+            self._place_canary,
             self.scraper.snapshot,
             self._canary_slot_limit,
         )
@@ -209,15 +210,19 @@ class Runtime:
         assert config.scheduling is not None
         return per_worker_scheduling(config.scheduling, self.workers)
 
-    def _choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+    def _place(
+        self, request: RouteRequest, source: FleetPlacement, exclude: frozenset[str]
+    ) -> Candidate | None:
         # self.router, read per call: a reload swaps it.
-        return self.router.choose(request, candidates)
+        return self.router.place(request, source, exclude)
 
-    def _choose_canary(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+    def _place_canary(
+        self, request: RouteRequest, source: FleetPlacement, exclude: frozenset[str]
+    ) -> Candidate | None:
         # A request that entered the canary arm just before a reload removed it is placed by
         # the main router.
         router = self.canary_router
-        return (router or self.router).choose(request, candidates)
+        return (router or self.router).place(request, source, exclude)
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)
@@ -277,6 +282,7 @@ class Runtime:
             if gates is not None and share is not None:
                 gates.share = share
                 gates.poke()
+        self.fleet.journal.reset()  # every instance's slots may have changed
 
     def _poke_gates(self) -> None:
         if self.gates is not None:
@@ -382,6 +388,9 @@ class Runtime:
         self.control.reconfigure(config.control, config.scheduling)
         self._set_canary(config)
         self.config = config
+        # Slot limits and shares may have changed without any instance changing: routing
+        # views refresh every instance before their next decision.
+        self.fleet.journal.reset()
         self.private_headers = private_headers(config)
         return restart_only
 

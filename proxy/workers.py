@@ -309,6 +309,8 @@ class SharedSnapshots:
         self._snapshots: dict[str, InstanceSnapshot] = {}
         self._seen: tuple[int, int] | None = None
         self._task: object = None
+        self.on_change: Callable[[str], None] = fleet.touch
+        """Called with an instance's name when its snapshot is replaced or dropped."""
 
     def snapshot(self, instance: str) -> InstanceSnapshot | None:
         return self._snapshots.get(instance)
@@ -319,6 +321,7 @@ class SharedSnapshots:
     def set_targets(self, targets: Mapping[str, str]) -> None:
         for name in set(self._snapshots) - set(targets):
             del self._snapshots[name]
+            self.on_change(name)
 
     def refresh(self) -> bool:
         """Read the file if it changed; True when something new was applied."""
@@ -334,7 +337,10 @@ class SharedSnapshots:
             return False
         self._seen = stamp
         known = set(self.fleet.instances)
+        changed = set(self._snapshots) | set(state.snapshots)
         self._snapshots = {k: v for k, v in state.snapshots.items() if k in known}
+        for name in sorted(changed & known):
+            self.on_change(name)
         adopt_health(self.fleet, state.health)
         drains = adopt_draining(self.fleet, state.draining)
         self.epoch = state.drain_epoch

@@ -1,41 +1,54 @@
 """``triton-proxy bench --routing``: the cost of one routing decision, per policy and fleet size.
 
-A microbenchmark, no servers: for every policy in :data:`proxy.routing.registry.POLICIES` and
-each fleet size, it builds simulated fleet snapshots (random in-flight counts, scraped queue
-depths and times, a share of stale snapshots, a session key on half of the requests) and times
+A microbenchmark, no servers. For every policy in :data:`proxy.routing.registry.POLICIES` and
+each fleet size it builds a real :class:`~proxy.fleet.instances.Fleet` with simulated state
+(0-40 requests in flight per instance, scraped queue depths and times, 10 % of snapshots stale,
+busy connections, half the requests with a session key) and keeps it moving the way a busy
+proxy's fleet moves: before each decision one request in flight finishes, one instance gets a
+new scraped snapshot (a 1 s scrape interval at 1,000 requests/s over 1,000 instances) and the
+clock moves 1 ms; after it the chosen instance takes the new request. It times two paths to the
+same decision (``tests/unit/test_routing_view.py`` checks they agree):
 
-- ``decide``: :meth:`proxy.routing.engine.Router.choose` on a ready candidate list: the engine's
-  rules (staleness, feedback weights, fallback) plus the policy. This is "a routing decision".
-- ``place``: what a request pays in the proxy: :class:`proxy.placement.FleetPlacement` builds
-  the candidate list from the fleet's live state, then the router decides.
+- ``linear``: :meth:`proxy.placement.FleetPlacement.filtered` builds every candidate and
+  :meth:`proxy.routing.engine.Router.choose` prepares and scans them (the path before issue 13);
+- ``view``: :meth:`proxy.placement.FleetPlacement.pick`, i.e. :meth:`Router.place` on views
+  kept up to date by the fleet's change journal. Its time includes refreshing what changed
+  since the previous decision (the finished request, the new one, the new snapshot);
+- ``idle``: the same with nothing changed since the previous decision: the decision alone
+  (what a burst of requests pays, or the view path less its upkeep).
 
-Each call is timed on its own (``perf_counter_ns``, whose own cost, about 0.1 µs, is included);
-snapshots rotate between calls so no call sees the previous one's cache. Figures are CPU time
-of one Python thread and move with the machine's load: compare sizes and policies within one
-run.
+Each call is timed on its own (``perf_counter_ns``, whose own cost, about 0.1 µs, is
+included); the events between calls are not. ``first_view_us`` is the first decision of a new
+view (it builds its indexes over the whole fleet; again after a reload of the instance list).
+Figures are CPU time of one Python thread and move with the machine's load: compare sizes and
+policies within one run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.clock import FakeClock
-from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec
+from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec
 from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
-from proxy.placement import FleetPlacement
+from proxy.placement import FleetPlacement, Placer
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
 from proxy.routing.registry import POLICIES
 
 MODEL = "m"
-SIZES = (3, 10, 100, 1000)
+SIZES = (3, 10, 100, 1000, 10000)
+LINEAR_UP_TO = 1000
+"""The linear path is not timed above this size (about 0.1 s a call at 10,000)."""
 TARGET_US = 20.0
 """The decision budget at 1,000 instances (issue 13)."""
+KINDS = ("linear", "view", "idle")
 
 
 @dataclass(frozen=True)
@@ -43,11 +56,14 @@ class RoutingPoint:
     policy: str
     instances: int
     kind: str
-    """``decide`` (router on a candidate list) or ``place`` (candidates built + decide)."""
+    """``linear`` (every candidate built and scanned), ``view`` (``Router.place``, upkeep
+    included) or ``idle`` (``Router.place`` with nothing to refresh)."""
     calls: int
     p50_us: float
     p99_us: float
     mean_us: float
+    first_view_us: float | None = None
+    """``view`` only: the first decision, which builds the view's indexes."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -73,27 +89,69 @@ def simulated_snapshot(rng: random.Random, now: float, stale: bool) -> InstanceS
     )
 
 
-def simulated_fleets(
-    n: int, variants: int, rng: random.Random, now: float, stale_fraction: float = 0.1
-) -> list[list[Candidate]]:
-    """``variants`` candidate lists of ``n`` instances, each a different moment of the fleet."""
-    out = []
-    for _ in range(variants):
-        fleet = []
-        for i in range(n):
-            in_flight = rng.randint(0, 40)
-            fleet.append(
-                Candidate(
-                    name=f"triton-{i}",
-                    in_flight=in_flight,
-                    model_in_flight=rng.randint(0, in_flight),
-                    connections=rng.randint(0, 64),
-                    snapshot=simulated_snapshot(rng, now, rng.random() < stale_fraction),
-                    stale=False,
-                )
-            )
-        out.append(fleet)
-    return out
+class _Connections:
+    """Busy upstream connections per instance (what ``HttpUpstreams.open_connections`` says)."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str, int] = {}
+
+    def open_connections(self, instance: Instance) -> int:
+        return self.busy.get(instance.name, 0)
+
+
+class SimulatedFleet:
+    """A fleet of ``n`` instances with simulated load that moves between decisions."""
+
+    def __init__(self, n: int, seed: int, stale_fraction: float = 0.1) -> None:
+        self.rng = random.Random(seed)
+        self.clock = FakeClock(1000.0)
+        self.stale_fraction = stale_fraction
+        specs = tuple(
+            InstanceSpec(name=f"triton-{i}", http=f"http://10.0.{i // 250}.{i % 250}:8000")
+            for i in range(n)
+        )
+        self.fleet = Fleet(specs, HealthConfig(), self.clock)
+        self.connections = _Connections()
+        self.snapshots: dict[str, InstanceSnapshot] = {}
+        self._open: list[contextlib.ExitStack] = []
+        rng = self.rng
+        for inst in self.fleet.all():
+            for _ in range(rng.randint(0, 40)):
+                self.start(inst)
+            self.connections.busy[inst.name] = rng.randint(0, 64)
+            self.scrape(inst.name)
+
+    def start(self, inst: Instance) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.fleet.track(inst, MODEL))
+        self._open.append(stack)
+
+    def scrape(self, name: str) -> None:
+        stale = self.rng.random() < self.stale_fraction
+        self.snapshots[name] = simulated_snapshot(self.rng, self.clock.now(), stale)
+        self.fleet.touch(name)
+
+    def between(self) -> None:
+        """What happens in the fleet between two decisions (see the module docstring)."""
+        rng = self.rng
+        if self._open:
+            i = rng.randrange(len(self._open))
+            self._open[i], self._open[-1] = self._open[-1], self._open[i]
+            self._open.pop().close()
+        self.scrape(rng.choice(list(self.fleet.instances)))
+        self.clock.advance(0.001)
+
+    def placement(self, place: Placer) -> FleetPlacement:
+        return FleetPlacement(
+            self.fleet,
+            self.connections,  # type: ignore[arg-type]
+            place,
+            self.snapshots.get,
+        )
+
+    def close(self) -> None:
+        while self._open:
+            self._open.pop().close()
 
 
 def _requests(count: int, rng: random.Random) -> list[RouteRequest]:
@@ -107,18 +165,9 @@ def _requests(count: int, rng: random.Random) -> list[RouteRequest]:
     ]
 
 
-def _time_calls(fn: Callable[[int], object], calls: int) -> list[float]:
-    """Microseconds of each ``fn(i)``."""
-    clock = time.perf_counter_ns
-    out = [0.0] * calls
-    for i in range(calls):
-        began = clock()
-        fn(i)
-        out[i] = (clock() - began) / 1000.0
-    return out
-
-
-def _point(policy: str, n: int, kind: str, us: Sequence[float]) -> RoutingPoint:
+def _point(
+    policy: str, n: int, kind: str, us: Sequence[float], first: float | None = None
+) -> RoutingPoint:
     ordered = sorted(us)
     return RoutingPoint(
         policy=policy,
@@ -128,7 +177,21 @@ def _point(policy: str, n: int, kind: str, us: Sequence[float]) -> RoutingPoint:
         p50_us=ordered[len(ordered) // 2],
         p99_us=ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
         mean_us=statistics.fmean(ordered),
+        first_view_us=first,
     )
+
+
+def _placer(kind: str, router: Router) -> Placer:
+    if kind != "linear":
+        return lambda request, source, exclude: router.place(request, source, exclude)
+
+    def linear(
+        request: RouteRequest, source: FleetPlacement, exclude: frozenset[str]
+    ) -> Candidate | None:
+        candidates = source.filtered(request, exclude)
+        return router.choose(request, candidates) if candidates else None
+
+    return linear
 
 
 def measure_policy(
@@ -136,52 +199,36 @@ def measure_policy(
     n: int,
     *,
     calls: int = 2000,
-    variants: int = 16,
     seed: int = 0,
     warmup: int = 200,
+    kinds: Sequence[str] = KINDS,
 ) -> list[RoutingPoint]:
-    """``decide`` and ``place`` timings of ``policy`` over ``n`` simulated instances."""
-    rng = random.Random(seed)
-    clock = FakeClock(1000.0)
-    fleets = simulated_fleets(n, variants, rng, clock.now())
-    requests = _requests(variants * 7 + 1, rng)
-    router = Router(RoutingConfig(policy=PolicySpec(name=policy)), clock, random.Random(seed))
-
-    def decide(i: int) -> object:
-        return router.choose(requests[i % len(requests)], fleets[i % variants])
-
-    specs = tuple(
-        InstanceSpec(name=c.name, http=f"http://10.0.0.{i}:8000") for i, c in enumerate(fleets[0])
-    )
-    fleet = Fleet(specs, HealthConfig(), clock)
-    for c in fleets[0]:
-        inst = fleet.get(c.name)
-        inst.in_flight = c.in_flight
-        if c.model_in_flight:
-            inst.model_in_flight[MODEL] = c.model_in_flight
-    snapshots = [{c.name: c.snapshot for c in f} for f in fleets]
-    current = [0]
-
-    class _NoConnections:
-        def open_connections(self, instance: object) -> int:
-            return 0
-
-    placement = FleetPlacement(
-        fleet,
-        _NoConnections(),  # type: ignore[arg-type]
-        lambda cands, req: router.choose(req, cands),
-        lambda name: snapshots[current[0]].get(name),
-    )
-    none: frozenset[str] = frozenset()
-
-    def place(i: int) -> object:
-        current[0] = i % variants
-        return placement.pick(requests[i % len(requests)], none)
-
+    """``linear`` and ``view`` timings of ``policy`` over ``n`` simulated instances."""
     out = []
-    for kind, fn in (("decide", decide), ("place", place)):
-        _time_calls(fn, warmup)
-        out.append(_point(policy, n, kind, _time_calls(fn, calls)))
+    for kind in kinds:
+        sim = SimulatedFleet(n, seed)
+        requests = _requests(97, random.Random(seed))
+        router = Router(RoutingConfig(policy=PolicySpec(name=policy)), sim.clock, random.Random(1))
+        none: frozenset[str] = frozenset()
+        placement = sim.placement(_placer(kind, router))
+        clock = time.perf_counter_ns
+        first: float | None = None
+        timed: list[float] = []
+        moving = kind != "idle"
+        for i in range(warmup + calls):
+            if moving:
+                sim.between()
+            began = clock()
+            chosen = placement.pick(requests[i % len(requests)], none)
+            spent = (clock() - began) / 1000.0
+            if i == 0 and kind == "view":
+                first = spent
+            if i >= warmup:
+                timed.append(spent)
+            if chosen is not None and moving:
+                sim.start(chosen)
+        sim.close()
+        out.append(_point(policy, n, kind, timed, first))
     return out
 
 
@@ -196,9 +243,13 @@ def measure_all(
     points: list[RoutingPoint] = []
     for name in names:
         for n in sizes:
-            # Fewer calls at large sizes keep the run short; 500 still gives a P99.
+            # The linear path at large sizes is slow: fewer calls keep the run short; 500
+            # still gives a P99.
             k = calls if n <= 100 else max(500, calls // 4)
-            points += measure_policy(name, n, calls=k, seed=seed)
+            kinds = KINDS if n <= LINEAR_UP_TO else tuple(k for k in KINDS if k != "linear")
+            points += measure_policy(
+                name, n, calls=k, seed=seed, warmup=200 if n <= 100 else 50, kinds=kinds
+            )
     return points
 
 
@@ -206,25 +257,32 @@ def render(points: Sequence[RoutingPoint]) -> str:
     sizes = sorted({p.instances for p in points})
     policies = list(dict.fromkeys(p.policy for p in points))
     lines = [
-        "Routing decision cost, µs: P50 / P99 per call (decide = Router.choose on a candidate "
-        "list; place = candidates built from the fleet + decide)",
-        f"{'policy':<20} {'kind':<7}" + "".join(f"{f'n={n}':>18}" for n in sizes),
+        "Routing decision cost, µs: P50 / P99 per call (linear = every candidate built and "
+        "scanned; view = Router.place on views kept up to date, refresh included)",
+        f"{'policy':<20} {'kind':<7}"
+        + "".join(f"{f'n={n}':>18}" for n in sizes)
+        + f"{'first view':>14}",
     ]
     for policy in policies:
-        for kind in ("decide", "place"):
+        for kind in KINDS:
             cells = []
+            first = None
             for n in sizes:
                 p = next(
                     (q for q in points if (q.policy, q.instances, q.kind) == (policy, n, kind)),
                     None,
                 )
                 cells.append(f"{'-':>18}" if p is None else f"{p.p50_us:>8.1f} /{p.p99_us:>8.1f}")
-            lines.append(f"{policy:<20} {kind:<7}" + "".join(cells))
-    big = [p for p in points if p.kind == "decide" and p.instances == max(sizes)]
-    if big:
-        within = [p.policy for p in big if p.p50_us <= TARGET_US]
-        lines.append(
-            f"decide P50 <= {TARGET_US:g} µs at n={max(sizes)}: "
-            + (", ".join(within) if within else "none")
-        )
+                if p is not None and p.first_view_us is not None:
+                    first = p.first_view_us
+            tail = f"{first:>14.0f}" if first is not None else f"{'':>14}"
+            lines.append(f"{policy:<20} {kind:<7}" + "".join(cells) + tail)
+    for kind in ("view", "idle"):
+        big = [p for p in points if p.kind == kind and p.instances == 1000]
+        if big:
+            within = [p.policy for p in big if p.p50_us <= TARGET_US]
+            lines.append(
+                f"{kind} P50 <= {TARGET_US:g} µs at n=1000: "
+                + (", ".join(within) if within else "none")
+            )
     return "\n".join(lines)

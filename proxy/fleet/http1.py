@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -197,7 +198,13 @@ def _parse_head(
 class Http1Pool:
     """Kept-alive connections to one instance, at most ``limit`` open at once."""
 
-    def __init__(self, base_url: str, limit: int, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        limit: int,
+        connect_timeout_s: float,
+        on_busy: Callable[[], None] | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"Http1Pool serves plain http:// URLs, got {base_url!r}")
@@ -211,6 +218,8 @@ class Http1Pool:
         self._open = 0
         self.in_use = 0
         """Connections carrying a request right now (``open_connections`` for routing)."""
+        self.on_busy = on_busy
+        """Called after ``in_use`` changed (routing views refresh the instance)."""
         self._slots: asyncio.Semaphore | None = None
         self.closed = False
 
@@ -263,6 +272,8 @@ class Http1Pool:
                 conn = await self._connect()
                 self._open += 1
             self.in_use += 1
+            if self.on_busy is not None:
+                self.on_busy()
             done = False
             try:
                 async with asyncio.timeout(timeout_s):
@@ -271,6 +282,8 @@ class Http1Pool:
                 return response
             finally:
                 self.in_use -= 1
+                if self.on_busy is not None:
+                    self.on_busy()
                 if done and not conn.closed and not self.closed:
                     self._idle.append(conn)
                 else:

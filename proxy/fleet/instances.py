@@ -7,12 +7,87 @@ exit path (success, error, cancellation) decrements exactly once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.clock import Clock
+
+
+class ChangeJournal:
+    """Names of instances whose routing inputs changed, in order, for readers that keep
+    derived state (routing views, ``proxy.routing.view``) up to date without rescanning the
+    fleet: each reader remembers how far it has read and refreshes only what changed since.
+
+    Appended to on every change placement reads: a request starting or finishing, a stream,
+    a busy connection, health, a model going out or back, draining, a new scraped snapshot.
+    The log keeps at most ``limit`` entries; a reader that fell further behind (or read before
+    a :meth:`reset`, e.g. a reload of the instance list) rebuilds from scratch.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.epoch = 0
+        """Bumped by :meth:`reset`: every reader must rebuild."""
+        self._base = 0
+        self._log: list[str] = []
+
+    @property
+    def end(self) -> int:
+        """Offset just past the newest entry (what a reader stores after reading)."""
+        return self._base + len(self._log)
+
+    def append(self, name: str) -> None:
+        log = self._log
+        log.append(name)
+        if len(log) > self.limit:
+            half = len(log) // 2
+            del log[:half]
+            self._base += half
+
+    def reset(self) -> None:
+        """Everything may have changed (instance list, slot limits, shares)."""
+        self.epoch += 1
+        self._base += len(self._log)
+        self._log.clear()
+
+    def since(self, epoch: int, offset: int) -> list[str] | None:
+        """Names appended after ``offset`` in ``epoch``; None: the reader must rebuild."""
+        if epoch != self.epoch or offset < self._base:
+            return None
+        return self._log[offset - self._base :]
+
+
+class WatchedSet(set[str]):
+    """A set that calls ``on_change`` after every mutation (``Instance.draining``: other
+    modules add and discard models, and routing views must hear of it)."""
+
+    on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def add(self, item: str) -> None:
+        super().add(item)
+        self._changed()
+
+    def discard(self, item: object) -> None:
+        super().discard(item)
+        self._changed()
+
+    def remove(self, item: str) -> None:
+        super().remove(item)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def update(self, *others: Iterable[str]) -> None:
+        super().update(*others)
+        self._changed()
 
 
 @dataclass(frozen=True)
@@ -123,7 +198,7 @@ class Instance:
     def serves(self, model: str) -> bool:
         return self.healthy and model not in self.models_out
 
-    draining: set[str] = field(default_factory=set)
+    draining: WatchedSet = field(default_factory=WatchedSet)
     """Models whose new requests placement keeps off this instance (a drained reload is under
     way); requests already in flight finish here."""
 
@@ -141,6 +216,24 @@ class Fleet:
         self.instances: dict[str, Instance] = {s.name: Instance(s) for s in specs}
         self.listeners: list[Callable[[Instance], None]] = []
         """Called when an instance leaves or rejoins rotation."""
+        self.journal = ChangeJournal()
+        """Every change placement reads, by instance name (see :class:`ChangeJournal`)."""
+        self.positions: dict[str, int] = {}
+        """Instance name -> its place in policy order (ties between instances go by it)."""
+        self._adopted()
+
+    def _adopted(self) -> None:
+        """After the instance list changed: positions, draining hooks, readers rebuild."""
+        self.positions = {name: i for i, name in enumerate(self.instances)}
+        self.journal.limit = max(4096, 4 * len(self.instances))
+        for inst in self.instances.values():
+            inst.draining.on_change = lambda name=inst.name: self.journal.append(name)
+        self.journal.reset()
+
+    def touch(self, name: str) -> None:
+        """Something placement reads about ``name`` changed outside this class (a new scraped
+        snapshot, a busy connection): routing views refresh it before their next decision."""
+        self.journal.append(name)
 
     def set_specs(self, specs: tuple[InstanceSpec, ...], health: HealthConfig) -> None:
         """Adopt a reloaded instance list: unchanged instances keep their state and counts."""
@@ -150,6 +243,7 @@ class Fleet:
             s.name: old[s.name] if s.name in old and old[s.name].spec == s else Instance(s)
             for s in specs
         }
+        self._adopted()
 
     def get(self, name: str) -> Instance:
         return self.instances[name]
@@ -187,6 +281,8 @@ class Fleet:
             counter[key] += 1
         if stream:
             instance.streams += 1
+        journal = self.journal
+        journal.append(instance.name)
         try:
             yield
         finally:
@@ -197,6 +293,7 @@ class Fleet:
                     del counter[key]
             if stream:
                 instance.streams -= 1
+            journal.append(instance.name)
 
     def total_in_flight(self) -> int:
         return sum(i.in_flight for i in self.instances.values())
@@ -280,6 +377,7 @@ class Fleet:
         ]
 
     def _changed(self, instance: Instance) -> None:
+        self.journal.append(instance.name)
         for listener in self.listeners:
             listener(instance)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 import aiohttp
@@ -18,6 +18,10 @@ from proxy.fleet.metrics import LoadTracker, parse
 from proxy.fleet.snapshot import InstanceSnapshot
 
 log = logging.getLogger(__name__)
+
+
+def _ignore(name: str) -> None:
+    return None
 
 
 class Scraper:
@@ -55,20 +59,25 @@ class Scraper:
         self.failures: dict[str, int] = {}
         """Scrape failures per instance since it became a target."""
         self._task: asyncio.Task[None] | None = None
+        self.on_change: Callable[[str], None] = _ignore
+        """Called with an instance's name when its snapshot is replaced or dropped (the
+        runtime passes ``Fleet.touch``, so routing views refresh that instance)."""
         self.set_targets(targets or {})
 
     def set_targets(self, targets: Mapping[str, str]) -> None:
         """Replace the set of instances to scrape; a removed instance's state is dropped."""
         for name in set(self._targets) - set(targets):
             self._trackers.pop(name, None)
-            self._snapshots.pop(name, None)
+            if self._snapshots.pop(name, None) is not None:
+                self.on_change(name)
             self._errors.pop(name, None)
             self.failures.pop(name, None)
         for name, url in targets.items():
             if self._targets.get(name) not in (None, url):
                 # A new address is a different server: its counters are not comparable.
                 self._trackers.pop(name, None)
-                self._snapshots.pop(name, None)
+                if self._snapshots.pop(name, None) is not None:
+                    self.on_change(name)
             self.failures.setdefault(name, 0)
         self._targets = dict(targets)
 
@@ -108,6 +117,7 @@ class Scraper:
         if tracker is None:
             tracker = self._trackers[name] = LoadTracker(self.window_s)
         self._snapshots[name] = tracker.observe(scrape, self._clock.now())
+        self.on_change(name)
         self._errors.pop(name, None)
 
     def _get_session(self) -> aiohttp.ClientSession:

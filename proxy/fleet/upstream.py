@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,7 +119,12 @@ class HttpUpstreams:
         )
         http1 = None
         if instance.spec.http.startswith("http://"):
-            http1 = Http1Pool(instance.spec.http, self._connections, self._connect_timeout_s)
+            http1 = Http1Pool(
+                instance.spec.http,
+                self._connections,
+                self._connect_timeout_s,
+                on_busy=functools.partial(self.fleet.touch, instance.name),
+            )
         pool = self._pools[instance.name] = _Pool(instance.spec.http, s, http1)
         return pool
 
@@ -158,6 +164,7 @@ class HttpUpstreams:
         if pool is not None and pool.url == instance.spec.http:
             del self._pools[instance.name]
             self._retire(pool)
+            self.fleet.touch(instance.name)  # its busy connections no longer count
 
     async def retire(self, keep: set[str]) -> None:
         """Retire the pools of instances no longer in the fleet (or whose address changed)."""

@@ -10,11 +10,16 @@ Rules, in order, for each decision:
 4. When no candidate has a fresh snapshot, every snapshot is removed (and the stale penalty
    with it) so policies compare the proxy's own in-flight counts only.
 5. The model's policy picks; the decision is counted and timed in :class:`RoutingStats`.
+
+Two paths make the same decision: :meth:`Router.choose` prepares a whole candidate list and
+runs the policy's linear ``choose`` (the definition, and the tests' oracle);
+:meth:`Router.place` keeps one :class:`~proxy.routing.view.ModelView` per kind of request,
+refreshed from the fleet's change journal, and runs the policy's ``choose_view`` on it
+(sub-linear in the number of instances; what each policy keeps is in its docstring).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import Counter, defaultdict
@@ -28,6 +33,7 @@ from proxy.routing.feedback import InstanceFeedback
 from proxy.routing.registry import build_policy
 from proxy.routing.retry import RetryBudget
 from proxy.routing.select import MIN_WEIGHT
+from proxy.routing.view import FRESH, NO_SNAPSHOT, STALE, CandidateSource, ModelView, Shape
 
 DecisionObserver = Callable[[str, str, str, float], None]
 """Called after each decision with (model, policy name, chosen instance, seconds taken)."""
@@ -86,6 +92,8 @@ class Router:
         self.retry_budget = RetryBudget(config.retry, clock)
         """Shared by every request routed here; ``record_request()`` / ``try_retry()``."""
         self._policies: dict[str, tuple[str, Policy]] = {}
+        self._by_shape: dict[tuple[CandidateSource, Shape], ModelView] = {}
+        self._views: dict[tuple[object, ...], ModelView] = {}
 
     def policy(self, model: str) -> tuple[str, Policy]:
         """``(policy name, policy)`` serving ``model``."""
@@ -98,6 +106,42 @@ class Router:
             entry = self._policies[model] = (spec.name, build_policy(spec.name, spec.params, rng))
         return entry
 
+    def prepare_one(
+        self, c: Candidate, model: str, now: float, strip: bool, evaluate: bool = True
+    ) -> tuple[Candidate, int, float | None, float | None]:
+        """One candidate as policies see it (rules 2-4; ``strip``: rule 4 applies), its
+        snapshot's status (``NO_SNAPSHOT``, ``FRESH``, ``STALE``), when it turns stale (or
+        None), and from when a feedback window may be evaluated on it (or None).
+        ``evaluate=False`` reads the feedback weight without evaluating a window: a view
+        evaluates only the candidates of a decision, as the linear path does."""
+        snapshot = c.snapshot
+        status = NO_SNAPSHOT
+        stale_at: float | None = None
+        limit = self.config.stale_after_s
+        if snapshot is not None:
+            if now - snapshot.taken_at > limit:
+                status = STALE
+            else:
+                status, stale_at = FRESH, snapshot.taken_at + limit
+        weight = c.weight
+        feedback = self.feedback
+        window_at: float | None = None
+        if feedback is not None:
+            if evaluate:
+                weight *= feedback.weight(c.name, model, snapshot, now)
+            else:
+                weight *= feedback.current(c.name, model)
+            window_at = feedback.due_at(c.name, model, snapshot)
+        is_stale = status == STALE
+        if strip:
+            snapshot, is_stale = None, False
+        elif is_stale:
+            weight *= self.config.stale_weight
+        weight = max(weight, MIN_WEIGHT)
+        if snapshot is c.snapshot and is_stale == c.stale and weight == c.weight:
+            return c, status, stale_at, window_at  # the common case
+        return c.prepared(snapshot, is_stale, weight), status, stale_at, window_at
+
     def prepare(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
         """Candidates as the policy will see them (rules 2-4 of the module docstring)."""
         now = self._clock.now()
@@ -109,27 +153,14 @@ class Router:
         if not fresh:
             reason = "all_stale" if any(stale) else "no_metrics"
             self.stats.record_fallback(request.model, reason)
-        out: list[Candidate] = []
-        feedback = self.feedback
-        model = request.model
-        for c, is_stale in zip(candidates, stale, strict=True):
-            weight = c.weight
-            if feedback is not None:
-                weight *= feedback.weight(c.name, model, c.snapshot, now)
-            snapshot = c.snapshot
-            if not fresh:
-                snapshot, is_stale = None, False
-            elif is_stale:
-                weight *= self.config.stale_weight
-            weight = max(weight, MIN_WEIGHT)
-            if snapshot is c.snapshot and is_stale == c.stale and weight == c.weight:
-                out.append(c)  # the common case; replace() costs microseconds per candidate
-            else:
-                out.append(dataclasses.replace(c, snapshot=snapshot, stale=is_stale, weight=weight))
-        return out
+        return [self.prepare_one(c, request.model, now, not fresh)[0] for c in candidates]
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
-        """The chosen candidate (as prepared: match it to an instance by ``name``)."""
+        """The chosen candidate (as prepared: match it to an instance by ``name``).
+
+        The linear path: every candidate prepared, the policy's ``choose`` over the list. The
+        proxy's requests go through :meth:`place`; this stays the definition it must match.
+        """
         if not candidates:
             raise NoCandidatesError(f"no ready instance serves model '{request.model}'")
         # The whole decision is timed (engine rules + policy), with the CPU's clock: how long
@@ -138,8 +169,47 @@ class Router:
         prepared = self.prepare(request, candidates)
         name, policy = self.policy(request.model)
         chosen = policy.choose(prepared, request)
-        elapsed = time.perf_counter() - began
-        self.stats.record_decision(request.model, name, chosen.name, elapsed)
-        if self.observer is not None:
-            self.observer(request.model, name, chosen.name, elapsed)
+        self._record(request.model, name, chosen.name, time.perf_counter() - began)
         return chosen
+
+    def place(
+        self, request: RouteRequest, source: CandidateSource, exclude: frozenset[str] = frozenset()
+    ) -> Candidate | None:
+        """The decision :meth:`choose` would make on ``source``'s candidates for ``request``
+        (after its per-request filters, less ``exclude``), from a view of them kept up to date
+        by the fleet's change journal: the cost grows with what changed since the last decision
+        and with log(instances), not with the number of instances. None: no candidate."""
+        began = time.perf_counter()
+        now = self._clock.now()
+        name, policy = self.policy(request.model)
+        key = (source, request.model, request.class_name, request.class_cap, request.level)
+        view = self._views.get(key)
+        if view is None:
+            shape = Shape.of(request, policy.reads_ahead)
+            view = self._by_shape.get((source, shape))
+            if view is None:
+                view = ModelView(source, shape.request(request), self)
+                self._by_shape[(source, shape)] = view
+            # Several keys may share one view (a class without a cap, a level the policy
+            # does not read): the plain tuple is what each request pays to find it.
+            self._views[key] = view
+        view.sync(now)
+        removed = view.exclude(exclude) if exclude else []
+        try:
+            if not view.members:
+                return None
+            reason = view.settle_mode(now)
+            if reason is not None:
+                self.stats.record_fallback(request.model, reason)
+            view.evaluate_feedback(now, exclude)
+            chosen = policy.choose_view(view, request)
+        finally:
+            if removed:
+                view.restore(removed, now)
+        self._record(request.model, name, chosen.name, time.perf_counter() - began)
+        return chosen
+
+    def _record(self, model: str, policy: str, instance: str, seconds: float) -> None:
+        self.stats.record_decision(model, policy, instance, seconds)
+        if self.observer is not None:
+            self.observer(model, policy, instance, seconds)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min, weight_of
+from proxy.routing.view import ModelView
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,14 @@ class ExpectedStart:
     size-interval task assignment idea (SITA, Harchol-Balter et al., 1999).
     """
 
+    reads_ahead = True
+
     def __init__(self, params: ExpectedStartParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
 
-    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+    def key(self, request: RouteRequest) -> Callable[[Candidate], tuple[float, ...]]:
+        """The score of the docstring for requests like ``request`` (its ``long``, ``batch``)."""
         batch = max(1, request.batch)
         long_weight = self.params.long_weight
 
@@ -117,7 +121,16 @@ class ExpectedStart:
                 score = (ahead + 1) / batch + long_weight * min(c.long_in_flight, 2)
                 return (score / weight_of(c),)
 
-        return pick_min(candidates, key, self._rng)
+        return key
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        return pick_min(candidates, self.key(request), self._rng)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The minimum of a sorted index (O(log n)), one per (long, batch); the view is per
+        priority level already (``ahead`` depends on it)."""
+        tag = ("expected_start", request.long, max(1, request.batch))
+        return view.ordering(tag, self.key(request)).pick_min(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> ExpectedStart:

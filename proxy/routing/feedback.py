@@ -102,6 +102,16 @@ class InstanceFeedback:
                 st.good = 0
         return st.weight
 
+    def due_at(self, instance: str, model: str, snapshot: InstanceSnapshot | None) -> float | None:
+        """Clock time from which :meth:`weight` would evaluate a window on ``snapshot``; None
+        when only a newer snapshot can start one (routing views re-ask when it arrives)."""
+        st = self._states.get((instance, model))
+        if snapshot is None or (st is not None and snapshot.taken_at == st.seen_taken_at):
+            return None
+        if st is None or st.evaluated_at is None:
+            return float("-inf")
+        return st.evaluated_at + self.params.window_s
+
     def current(self, instance: str, model: str) -> float:
         """The weight without evaluating anything (1.0 if never seen)."""
         st = self._states.get((instance, model))

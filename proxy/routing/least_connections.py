@@ -9,6 +9,11 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min, weight_of
+from proxy.routing.view import ModelView
+
+
+def connections_key(candidate: Candidate) -> tuple[float]:
+    return ((candidate.connections + 1) / weight_of(candidate),)
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,21 @@ class LeastConnections:
     Source: HAProxy configuration manual, ``balance leastconn``.
     """
 
+    reads_ahead = False
+
     def __init__(self, params: LeastConnectionsParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        return pick_min(candidates, lambda c: ((c.connections + 1) / weight_of(c),), self._rng)
+        return pick_min(candidates, connections_key, self._rng)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The minimum of a sorted index (O(log n)); same ties, same random draw. Busy HTTP
+        connections and streams reach the view when they change; connections held by the
+        aiohttp client (streaming HTTP, https) are read when the instance's next request
+        starts or finishes."""
+        return view.ordering("least_connections", connections_key).pick_min(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> LeastConnections:

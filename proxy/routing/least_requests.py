@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min, weight_of
+from proxy.routing.view import ModelView
 
 
 def least_requests_key(candidate: Candidate) -> tuple[float, float]:
@@ -36,12 +37,18 @@ class LeastRequests:
     Source: Envoy ``LEAST_REQUEST`` (full scan variant) and Linkerd's least-loaded balancing.
     """
 
+    reads_ahead = False
+
     def __init__(self, params: LeastRequestsParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         return pick_min(candidates, least_requests_key, self._rng)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The minimum of a sorted index (O(log n)); same ties, same random draw."""
+        return view.ordering("least_requests", least_requests_key).pick_min(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> LeastRequests:

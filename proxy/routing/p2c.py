@@ -8,6 +8,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min
+from proxy.routing.view import ModelView
 from proxy.routing.weighted_score import WeightedScoreParams, weighted_score
 
 
@@ -25,6 +26,8 @@ class PowerOfTwoChoices:
     IEEE TPDS 12(10), 2001; Envoy ``LEAST_REQUEST`` with ``choice_count: 2``.
     """
 
+    reads_ahead = False
+
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
@@ -35,6 +38,11 @@ class PowerOfTwoChoices:
         else:
             pair = self._rng.sample(candidates, 2)
         return pick_min(pair, lambda c: (weighted_score(c, request, self.params),), self._rng)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The same two draws over the candidates in fleet order, read by index (O(1) each;
+        ``random.sample`` copies the population only when it has at most 21 items)."""
+        return self.choose(view.in_order(), request)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> PowerOfTwoChoices:

@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, weight_of
+from proxy.routing.view import ModelView, WeightTree
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class RandomChoice:
     Parameters: none.
     """
 
+    reads_ahead = False
+
     def __init__(self, params: RandomParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
@@ -34,6 +37,11 @@ class RandomChoice:
             raise ValueError("no candidates")
         weights = [weight_of(c) for c in candidates]
         return self._rng.choices(candidates, weights=weights)[0]
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """A sum tree over the weights (O(log n)): the same draw as ``choose``, exactly when
+        the weights' sums are exact (see :meth:`~proxy.routing.view.WeightTree.pick`)."""
+        return view.index("weights", lambda: WeightTree(view)).pick(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> RandomChoice:

@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, weight_of
+from proxy.routing.view import ModelView, Rotation
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class RoundRobin:
     Source: nginx commit 52327e0627f4 "Upstream: smooth weighted round-robin balancing"
     (M. Dounin, 2012).
     """
+
+    reads_ahead = False
 
     def __init__(self, params: RoundRobinParams, rng: random.Random) -> None:
         self.params = params
@@ -60,6 +63,10 @@ class RoundRobin:
             self._current = {n: v for n, v in self._current.items() if n in names}
             self._rank = {n: v for n, v in self._rank.items() if n in names}
         return best
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """:class:`~proxy.routing.view.Rotation`: O(log n) per pick, one rotation per view."""
+        return view.index(("round_robin", id(self)), lambda: Rotation(self._rng)).choose(view)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> RoundRobin:

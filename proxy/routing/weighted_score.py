@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.select import load_params, pick_min, weight_of
+from proxy.routing.view import ModelView
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,24 @@ class WeightedScore:
     Inference Extension (queue depth, KV-cache utilisation), with Triton's own metrics.
     """
 
+    reads_ahead = False
+
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         return pick_min(candidates, lambda c: (weighted_score(c, request, self.params),), self._rng)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The minimum of a sorted index (O(log n)): an instance's score is recomputed when
+        its counts change, a new snapshot arrives or it turns stale, not per request."""
+        params, model = self.params, view.request
+
+        def key(c: Candidate) -> tuple[float]:
+            return (weighted_score(c, model, params),)
+
+        return view.ordering(("weighted_score", params), key).pick_min(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> WeightedScore:

@@ -7,7 +7,7 @@ import pytest
 
 from proxy.bench.cli import parse_workers, worker_suffix
 from proxy.bench.closed import ClosedReport, ClosedRun, SimpleRequest
-from proxy.bench.routing import measure_policy, render, simulated_fleets
+from proxy.bench.routing import SimulatedFleet, measure_policy, render
 from proxy.routing.registry import POLICIES
 
 
@@ -57,15 +57,19 @@ def test_simple_request_bodies_match_the_model():
 
 
 def test_routing_microbenchmark_times_every_policy():
-    import random
-
-    fleets = simulated_fleets(5, 2, random.Random(0), now=100.0)
-    assert len(fleets) == 2 and all(len(f) == 5 for f in fleets)
+    sim = SimulatedFleet(5, 0)
+    assert len(sim.fleet.instances) == 5 and len(sim.snapshots) == 5
+    before = sim.fleet.total_in_flight()
+    sim.between()
+    assert sim.fleet.total_in_flight() == before - 1  # one request finished
+    sim.close()
+    assert sim.fleet.total_in_flight() == 0
     points = []
     for name in POLICIES:
-        points += measure_policy(name, 5, calls=20, warmup=2, variants=2)
+        points += measure_policy(name, 5, calls=20, warmup=2)
     assert {(p.policy, p.kind) for p in points} == {
-        (n, k) for n in POLICIES for k in ("decide", "place")
+        (n, k) for n in POLICIES for k in ("linear", "view", "idle")
     }
     assert all(0 < p.p50_us <= p.p99_us for p in points)
+    assert all((p.first_view_us is not None) == (p.kind == "view") for p in points)
     assert "least_requests" in render(points)

@@ -1,0 +1,318 @@
+"""The view path (``Router.place``) decides as the linear path (``Router.choose``) does.
+
+Property tests: a real :class:`~proxy.fleet.instances.Fleet` goes through random events
+(requests starting and finishing, ejections, models out, drains, new snapshots, busy
+connections, slot limits, the clock moving) and, after each batch of events, two routers
+built from the same seed decide the same random request: one with every candidate built,
+filtered and scanned (the oracle), one from its view. Every policy, every decision, the same
+instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec, Work
+from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+from proxy.placement import FleetPlacement
+from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.config import PolicySpec, RoutingConfig
+from proxy.routing.engine import Router
+from proxy.routing.feedback import FeedbackParams
+from proxy.routing.registry import POLICIES
+
+MODELS = ("m", "n")
+
+
+class Connections:
+    def __init__(self) -> None:
+        self.busy: dict[str, int] = {}
+
+    def open_connections(self, instance: object) -> int:
+        return self.busy.get(instance.name, 0)  # type: ignore[attr-defined]
+
+
+@dataclass
+class World:
+    """A fleet, its live inputs, and a random driver of events."""
+
+    rng: random.Random
+    clock: FakeClock
+    fleet: Fleet
+    connections: Connections = field(default_factory=Connections)
+    snapshots: dict[str, InstanceSnapshot] = field(default_factory=dict)
+    limits: dict[tuple[str, str], int] = field(default_factory=dict)
+    open: list[contextlib.ExitStack] = field(default_factory=list)
+    classes: tuple[str, ...] = ("rt", "batch")
+    caps: dict[str, int] = field(default_factory=lambda: {"batch": 1})
+
+    def slot_limit(self, instance: str, model: str) -> int | None:
+        return self.limits.get((instance, model))
+
+    def placement(self, router: Router) -> FleetPlacement:
+        return FleetPlacement(
+            self.fleet,
+            self.connections,  # type: ignore[arg-type]
+            lambda request, source, exclude: router.place(request, source, exclude),
+            self.snapshots.get,
+            self.slot_limit,
+        )
+
+    def names(self) -> list[str]:
+        return list(self.fleet.instances)
+
+    def event(self, filters: bool) -> None:
+        rng, fleet = self.rng, self.fleet
+        inst = fleet.get(rng.choice(self.names()))
+        kind = rng.random()
+        if kind < 0.35:
+            stack = contextlib.ExitStack()
+            work = Work(
+                class_name=rng.choice(("rt", "batch")),
+                level=rng.choice((0, 1, 2)),
+                long=rng.random() < 0.2,
+            )
+            stack.enter_context(
+                fleet.track(inst, rng.choice(MODELS), stream=rng.random() < 0.1, work=work)
+            )
+            self.open.append(stack)
+        elif kind < 0.6 and self.open:
+            self.open.pop(rng.randrange(len(self.open))).close()
+        elif kind < 0.7:
+            load = ModelLoad(
+                pending=float(rng.randint(0, 4)),
+                queue_us=rng.choice((None, float(rng.randint(0, 3)) * 1000)),
+                queue_us_p95=float(rng.choice((0, 50_000, 500_000))),
+            )
+            self.snapshots[inst.name] = InstanceSnapshot(
+                taken_at=self.clock.now() - rng.choice((0.0, 0.5, 3.0)),
+                models={"m": load, "n": load},
+                kv_cache_fraction=rng.choice((None, 0.25, 0.5)),
+            )
+            fleet.touch(inst.name)
+        elif kind < 0.75:
+            self.connections.busy[inst.name] = rng.randint(0, 3)
+            fleet.touch(inst.name)
+        elif kind < 0.8:
+            if inst.healthy and rng.random() < 0.5:
+                fleet.eject(inst, "test")
+            else:
+                fleet.report_success(inst)
+        elif kind < 0.85:
+            model = rng.choice(MODELS)
+            if model in inst.models_out:
+                fleet.include_model(inst, model)
+            else:
+                fleet.exclude_model(inst, model, "test")
+        elif kind < 0.88:
+            model = rng.choice(MODELS)
+            if model in inst.draining:
+                inst.draining.discard(model)
+            else:
+                inst.draining.add(model)
+        elif kind < 0.93 and filters:
+            # A slot limit moves when a request of the instance finishes (adaptive
+            # concurrency observes it right after the in-flight token is released).
+            self.limits[(inst.name, rng.choice(MODELS))] = rng.randint(0, 3)
+            fleet.touch(inst.name)
+        else:
+            self.clock.advance(rng.choice((0.1, 0.5, 1.0, 2.5)))
+
+    def request(self, filters: bool) -> tuple[RouteRequest, frozenset[str]]:
+        rng = self.rng
+        class_name = rng.choice(self.classes)
+        cap = self.caps.get(class_name) if filters else None
+        request = RouteRequest(
+            model=rng.choice(MODELS),
+            session_key=rng.choice((None, f"s{rng.randint(0, 30)}")),
+            class_name=class_name,
+            level=rng.choice((None, 1, 2)),
+            long=rng.random() < 0.3,
+            class_cap=cap,
+            batch=rng.choice((1, 4)),
+        )
+        names = self.names()
+        exclude = (
+            frozenset(rng.sample(names, rng.randint(1, 2)))
+            if filters and rng.random() < 0.15
+            else frozenset()
+        )
+        return request, exclude
+
+    def close(self) -> None:
+        while self.open:
+            self.open.pop().close()
+
+
+@contextlib.contextmanager
+def world(seed: int, n: int) -> Iterator[World]:
+    clock = FakeClock(1000.0)
+    specs = tuple(InstanceSpec(name=f"t{i}", http=f"http://10.0.0.{i}:8000") for i in range(n))
+    w = World(random.Random(seed), clock, Fleet(specs, HealthConfig(), clock))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def routers(policy: str, clock: FakeClock, seed: int, feedback: bool) -> tuple[Router, Router]:
+    config = RoutingConfig(
+        policy=PolicySpec(name=policy),
+        stale_after_s=2.0,
+        # Power-of-two weights keep every sum exact (see WeightTree.pick, Rotation).
+        feedback=FeedbackParams(enabled=feedback, windows=1, window_s=1.0, factor=0.5, floor=0.125),
+    )
+    return (
+        Router(config, clock, random.Random(seed)),
+        Router(config, clock, random.Random(seed)),
+    )
+
+
+STATEFUL = ("round_robin", "consistent_hash")
+"""Policies whose state the view keeps per shape: a model's requests in one class here."""
+SHARED_FIELDS = ("name", "in_flight", "model_in_flight", "connections", "long_in_flight")
+PREPARED_FIELDS = ("snapshot", "stale", "weight")
+
+
+def compare(
+    policy: str,
+    seed: int,
+    n: int,
+    steps: int,
+    *,
+    filters: bool,
+    feedback: bool,
+    journal_limit: int | None = None,
+) -> int:
+    """Runs both paths side by side; returns how many decisions were compared."""
+    compared = 0
+    with world(seed, n) as w:
+        if journal_limit is not None:
+            w.fleet.journal.limit = journal_limit
+        if policy in STATEFUL:
+            w.classes = (w.rng.choice(w.classes),)
+        w.caps["batch"] = w.rng.choice((1, 2))
+        oracle, fast = routers(policy, w.clock, seed, feedback)
+        linear = w.placement(oracle)
+        viewed = w.placement(fast)
+        for _ in range(steps):
+            for _ in range(w.rng.randint(0, 4)):
+                w.event(filters)
+            request, exclude = w.request(filters)
+            candidates = linear.filtered(request, exclude)
+            expected: Candidate | None = oracle.choose(request, candidates) if candidates else None
+            got = fast.place(request, viewed, exclude)
+            assert (got and got.name) == (expected and expected.name), (
+                f"{policy} seed {seed}: step {compared}, {request}, exclude {set(exclude)}"
+            )
+            if got is not None and expected is not None:
+                # The same candidate as prepared by the engine (the view builds ``ahead`` and
+                # ``class_in_flight`` only where its shape says they are read).
+                for f in SHARED_FIELDS + PREPARED_FIELDS:
+                    assert getattr(got, f) == getattr(expected, f), f
+                if policy == "expected_start":
+                    assert got.ahead == expected.ahead
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_view_decides_as_the_linear_path(policy: str, seed: int) -> None:
+    compare(policy, seed, n=12, steps=400, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("filters", [False, True])
+def test_same_with_feedback_weights(policy: str, filters: bool) -> None:
+    # Windows are evaluated only on a decision's candidates, as the linear path does.
+    compare(policy, 11, n=10, steps=500, filters=filters, feedback=True)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_larger_fleet_past_random_sample_copy_threshold(policy: str) -> None:
+    # random.sample copies populations of up to 21 items and indexes larger ones: both paths.
+    compare(policy, 5, n=40, steps=300, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("policy", STATEFUL)
+@pytest.mark.parametrize("seed", range(6))
+def test_stateful_policies_on_small_busy_fleets(policy: str, seed: int) -> None:
+    # Few instances: "out" marks, filter levels and rotations change often.
+    compare(policy, 100 + seed, n=6, steps=300, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_reader_far_behind_the_journal_rebuilds_and_still_agrees(policy: str) -> None:
+    compare(policy, 21, n=10, steps=200, filters=True, feedback=False, journal_limit=3)
+
+
+def test_view_refreshes_only_what_changed() -> None:
+    with world(0, 50) as w:
+        _, fast = routers("least_requests", w.clock, 0, feedback=False)
+        placement = w.placement(fast)
+        request = RouteRequest(model="m")
+        assert placement.pick(request, frozenset()) is not None
+        view = next(iter(fast._views.values()))
+        assert view.rebuilds == 1 and len(view.members) == 50
+        calls: list[str] = []
+        build = placement.build
+
+        def counting(name: str, req: RouteRequest) -> tuple[Candidate, int] | None:
+            calls.append(name)
+            return build(name, req)
+
+        placement.build = counting  # type: ignore[method-assign]
+        inst = w.fleet.get("t7")
+        with w.fleet.track(inst, "m"):
+            chosen = placement.pick(request, frozenset())
+        assert calls == ["t7"]
+        assert chosen is not None and chosen.name != "t7"  # it is the busiest now
+        placement.pick(request, frozenset())
+        assert calls == ["t7", "t7"] and view.rebuilds == 1
+
+
+def test_draining_reaches_the_view() -> None:
+    with world(0, 3) as w:
+        _, fast = routers("least_requests", w.clock, 0, feedback=False)
+        placement = w.placement(fast)
+        request = RouteRequest(model="m")
+        for inst in w.fleet.all()[1:]:
+            inst.draining.add("m")
+        assert placement.pick(request, frozenset()).name == "t0"  # type: ignore[union-attr]
+        w.fleet.get("t2").draining.discard("m")
+        with w.fleet.track(w.fleet.get("t0"), "m"):
+            assert placement.pick(request, frozenset()).name == "t2"  # type: ignore[union-attr]
+
+
+def _specs_without(w: World, name: str) -> tuple[InstanceSpec, ...]:
+    return tuple(i.spec for i in w.fleet.all() if i.name != name)
+
+
+def test_reload_of_the_instance_list_rebuilds_the_view() -> None:
+    with world(0, 6) as w:
+        _, fast = routers("round_robin", w.clock, 0, feedback=False)
+        placement = w.placement(fast)
+        request = RouteRequest(model="m")
+        seen = {placement.pick(request, frozenset()).name for _ in range(6)}  # type: ignore[union-attr]
+        assert seen == set(w.names())
+        w.fleet.set_specs(_specs_without(w, "t3"), HealthConfig())
+        seen = {placement.pick(request, frozenset()).name for _ in range(10)}  # type: ignore[union-attr]
+        assert seen == set(w.names()) and "t3" not in seen
+
+
+def test_no_candidate_is_none() -> None:
+    with world(0, 3) as w:
+        _, fast = routers("p2c", w.clock, 0, feedback=False)
+        placement = w.placement(fast)
+        for inst in w.fleet.all():
+            w.fleet.eject(inst, "down")
+        assert placement.pick(RouteRequest(model="m"), frozenset()) is None
+        w.fleet.report_success(w.fleet.get("t1"))
+        assert placement.pick(RouteRequest(model="m"), frozenset()).name == "t1"  # type: ignore[union-attr]
