@@ -14,6 +14,7 @@ import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -161,9 +162,15 @@ def world(seed: int, n: int) -> Iterator[World]:
         w.close()
 
 
-def routers(policy: str, clock: FakeClock, seed: int, feedback: bool) -> tuple[Router, Router]:
+def routers(
+    policy: str,
+    clock: FakeClock,
+    seed: int,
+    feedback: bool,
+    params: dict[str, Any] | None = None,
+) -> tuple[Router, Router]:
     config = RoutingConfig(
-        policy=PolicySpec(name=policy),
+        policy=PolicySpec(name=policy, params=params or {}),
         stale_after_s=2.0,
         # Power-of-two weights keep every sum exact (see WeightTree.pick, Rotation).
         feedback=FeedbackParams(enabled=feedback, windows=1, window_s=1.0, factor=0.5, floor=0.125),
@@ -189,6 +196,7 @@ def compare(
     filters: bool,
     feedback: bool,
     journal_limit: int | None = None,
+    params: dict[str, Any] | None = None,
 ) -> int:
     """Runs both paths side by side; returns how many decisions were compared."""
     compared = 0
@@ -198,7 +206,7 @@ def compare(
         if policy in STATEFUL:
             w.classes = (w.rng.choice(w.classes),)
         w.caps["batch"] = w.rng.choice((1, 2))
-        oracle, fast = routers(policy, w.clock, seed, feedback)
+        oracle, fast = routers(policy, w.clock, seed, feedback, params)
         linear = w.placement(oracle)
         viewed = w.placement(fast)
         for _ in range(steps):
@@ -226,6 +234,15 @@ def compare(
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_view_decides_as_the_linear_path(policy: str, seed: int) -> None:
     compare(policy, seed, n=12, steps=400, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("lane_depth", [None, 1, 2])
+def test_expected_start_packing_a_lane_decides_as_the_linear_path(
+    seed: int, lane_depth: int | None
+) -> None:
+    params: dict[str, Any] = {"long_placement": "pack", "lane_depth": lane_depth}
+    compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
