@@ -401,14 +401,13 @@ class Dispatcher:
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
                     try:
                         result = await r.send(instance, self._forward(call, r.info, priority))
-                    except asyncio.CancelledError:
-                        if linger:
-                            await self._linger(r, sent_at, trace)
-                        raise
-                    except Exception:
-                        # The client's deadline passed in flight: Triton cancelled the call,
-                        # and may still be running it.
-                        if linger and deadline.passed(call.deadline, self.fleet.clock.now()):
+                    except (asyncio.CancelledError, Exception) as exc:
+                        # The client left, or its deadline passed in flight: Triton cancelled
+                        # the call, and may still be running it.
+                        if linger and (
+                            isinstance(exc, asyncio.CancelledError)
+                            or deadline.passed(call.deadline, self.fleet.clock.now())
+                        ):
                             await self._linger(r, sent_at, trace)
                         raise
                     trace.alone = alone and instance.model_in_flight.get(call.model) == 1

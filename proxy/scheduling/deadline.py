@@ -152,9 +152,7 @@ async def detached(work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` to its end even if the caller is cancelled (``limits.cancel_upstream:
     false``): a client that leaves stops waiting, but its request still takes its place in the
     queue and its time in Triton, as behind a proxy that does not propagate cancellation."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(_retrieve)
-    return await asyncio.shield(task)
+    return await apart(work, keep=lambda: True)
 
 
 async def apart(work: Coroutine[Any, Any, T], keep: Callable[[], bool]) -> T:
