@@ -222,18 +222,24 @@ def test_window_change_under_traffic_is_drained(fleet: LocalFleet) -> None:
             )
 
 
+def backlog_scheduling() -> dict[str, Any]:
+    """Two slots per server, a real-time class that holds its 2 s SLO and an offline class
+    whose backlog the batching loop may lengthen the window for."""
+    return {
+        "concurrency": 2,
+        "classes": {
+            "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
+            "offline": {"rank": 1, "triton_priority": 2},
+        },
+        "default_class": "offline",
+    }
+
+
 def test_control_loop_lengthens_then_shortens_the_window(fleet: LocalFleet) -> None:
     """The whole loop on live servers: an offline backlog with the realtime class holding its
     SLO lengthens the window; once the backlog is gone the window shortens again."""
     policy = {
-        "scheduling": {
-            "concurrency": 2,
-            "classes": {
-                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
-                "offline": {"rank": 1, "triton_priority": 2},
-            },
-            "default_class": "offline",
-        },
+        "scheduling": backlog_scheduling(),
         "control": {
             "tick_s": 0.2,
             "window_s": 2.0,
@@ -511,14 +517,7 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
     config is what it was and the model was never reloaded (Triton's success counters, which a
     reload sets back to zero, only grew by what the proxy sent)."""
     policy = {
-        "scheduling": {
-            "concurrency": 2,
-            "classes": {
-                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
-                "offline": {"rank": 1, "triton_priority": 2},
-            },
-            "default_class": "offline",
-        },
+        "scheduling": backlog_scheduling(),
         "control": {
             "dry_run": True,
             "tick_s": 0.2,
@@ -727,14 +726,7 @@ def test_workers_share_the_leaders_drain_marks(fleet: LocalFleet, tmp_path: Path
     /metrics), the change reaches both servers, and no request fails."""
     policy = {
         "scrape": {"interval_s": 0.5, "window_s": 2.0},
-        "scheduling": {
-            "concurrency": 2,
-            "classes": {
-                "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 2000},
-                "offline": {"rank": 1, "triton_priority": 2},
-            },
-            "default_class": "offline",
-        },
+        "scheduling": backlog_scheduling(),
         "control": {
             "tick_s": 0.2,
             "window_s": 2.0,
