@@ -166,6 +166,7 @@ class ProxyServer:
             listen.http_port,
             reuse_address=True,
             reuse_port=self.role is not None,
+            backlog=listen.backlog,
         )
         await site.start()
         http_port = self._http_runner.addresses[0][1]
