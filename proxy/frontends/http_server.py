@@ -251,7 +251,6 @@ class _Connection(asyncio.Protocol):
         """A request is being answered (``_task`` runs it)."""
         self._closing = False
         """No more requests are read: close once the queue is answered."""
-        self._lingering = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._read_paused = False
@@ -262,6 +261,7 @@ class _Connection(asyncio.Protocol):
         self._url: list[bytes] = []
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._in_head = False
+        self._head_began = False
         self._head_bytes = 0
         self._request: Request | None = None
         self._chunks: list[bytes] = []
@@ -321,19 +321,24 @@ class _Connection(asyncio.Protocol):
         self._last_seen = self._loop.time()
         if self._closing:
             return  # lingering, or done reading: dropped
+        self._head_began = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # The request (CONNECT, or one with Upgrade) was queued: it is answered, then
             # the connection closes; nothing after it is read.
             self._stop_reading()
+            if not self._busy:
+                self._next()
         except httptools.HttpParserError as exc:
             refusal, self._refusal = self._refusal, None
             if refusal is None:
                 refusal = _bad_request(f"malformed HTTP request: {exc}")
             self._refuse(refusal)
             return
-        if self._in_head:
+        if self._in_head and not self._head_began:
+            # All of this read belongs to the head still incomplete (one that began within
+            # this read is counted from the next: at most one read more than the limit).
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(_bad_request(f"request head over {MAX_HEAD_BYTES} bytes"))
@@ -346,6 +351,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._head_began = True
         self._head_bytes = 0
         self._url.clear()
         self._headers = CIMultiDict()
@@ -375,8 +381,13 @@ class _Connection(asyncio.Protocol):
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         length_text = headers.get("Content-Length")
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
-        # llhttp checked the length's digits and refused it beside Transfer-Encoding.
-        length = int(length_text) if length_text is not None and not chunked else None
+        length = None
+        if length_text is not None and not chunked:
+            # llhttp refused lengths that are not digits, or beside Transfer-Encoding.
+            try:
+                length = int(length_text)
+            except ValueError:
+                self._stop(_bad_request(f"bad Content-Length {length_text[:32]!r}"))
         version = parser.get_http_version()
         request = Request(
             self,
@@ -497,6 +508,7 @@ class _Connection(asyncio.Protocol):
             return
         self._busy = False
         self._task = None
+        self._last_seen = self._loop.time()  # idle from now on
         transport = self._transport
         if transport is None or transport.is_closing():
             return
@@ -591,7 +603,6 @@ class _Connection(asyncio.Protocol):
         """Half-close after an answer that ends the connection early; drop what still comes."""
         transport = self._transport
         assert transport is not None
-        self._lingering = True
         if self._read_paused:
             self._read_paused = False
             transport.resume_reading()
@@ -608,7 +619,9 @@ class _Connection(asyncio.Protocol):
         if not self._busy and not self._queue and now >= due:
             transport.close()
             return
-        self._idle_timer = self._loop.call_at(max(due, now + 1.0), self._check_idle)
+        if self._busy or self._queue:
+            due = now + KEEPALIVE_TIMEOUT_S
+        self._idle_timer = self._loop.call_at(due, self._check_idle)
 
     def shutdown(self) -> None:
         """Read no more requests; close now if idle, else after the answer in progress."""

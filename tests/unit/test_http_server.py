@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from proxy.errors import Code, ProxyError
+from proxy.frontends import http_server
 from proxy.frontends.http_server import HttpServer, Request, Response, Stream
 
 LIMIT = 10_000
@@ -301,6 +302,8 @@ async def test_chunked_body_over_the_limit_is_refused_as_it_arrives() -> None:
         b"GET /x HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
         b"GET /x HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(200)) + b"\r\n",
         b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n",
+        # Fields each within the limit, 480 kB of head in all.
+        b"GET /x HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 8000) for i in range(60)),
         b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nnotgz",
         b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 10\r\n\r\n"
         + gzip.compress(b"x" * 100)[:10],
@@ -400,3 +403,19 @@ async def test_ipv6_listener() -> None:
         writer.close()
     finally:
         await server.close()
+
+
+async def test_idle_connections_close_after_the_keep_alive_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(http_server, "KEEPALIVE_TIMEOUT_S", 0.3)
+    async with serving() as (server, app), connection(server) as (busy_reader, busy_writer):
+        async with connection(server) as (idle_reader, idle_writer):
+            idle_writer.write(request("GET", "/once"))
+            await read_answer(idle_reader)
+            busy_writer.write(request("GET", "/wait"))
+            await app.started.wait()
+            await asyncio.sleep(0.7)
+            assert await closed(idle_reader)
+        app.go_on.set()  # a request in progress is not idle: it is answered
+        assert (await read_answer(busy_reader)).status == 200
