@@ -18,6 +18,7 @@ from aiohttp import web
 
 from proxy.clock import Clock, MonotonicClock
 from proxy.config import ProxyConfig, load_file
+from proxy.frontends import admin_relay
 from proxy.frontends.grpc import GrpcFrontend
 from proxy.frontends.http import HttpFrontend
 from proxy.frontends.http_server import HttpServer
@@ -83,11 +84,13 @@ class ProxyServer:
         self._http_server: HttpServer | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._grpc_server: grpc.aio.Server | None = None
+        self._admin_endpoint: admin_relay.LeaderEndpoint | None = None
         self.ports: BoundPorts | None = None
         self.watch_interval_s = watch_interval_s
         self.policy_loader = policy_loader
         self._reload_wanted = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     def request_reload(self) -> None:
         """Re-read the policy file soon (SIGHUP handler; safe to call from a signal)."""
@@ -151,12 +154,15 @@ class ProxyServer:
         serves_grpc = self._serves_grpc()
         await self.runtime.start()
         listen = self.config.listen
-        self._http_server = HttpServer(HttpFrontend(self.current))
+        http_frontend = HttpFrontend(self.current)
+        self._http_server = HttpServer(http_frontend)
         http_port = await self._http_server.start(
-            listen.host, listen.http_port, reuse_port=self.role is not None
+            listen.host, listen.http_port, reuse_port=self.role is not None, backlog=listen.backlog
         )
         self._metrics_runner, metrics_port = await self._start_metrics()
-        grpc_port = await self._start_grpc() if serves_grpc else None
+        grpc_frontend = GrpcFrontend(self.current) if serves_grpc else None
+        grpc_port = await self._start_grpc(grpc_frontend) if grpc_frontend else None
+        await self._start_admin_relay(http_frontend, grpc_frontend)
         self.ports = BoundPorts(http=http_port, grpc=grpc_port, metrics=metrics_port)
         if self.role is not None:
             # Tells the supervisor this worker serves, and the leader where to read its metrics.
@@ -164,6 +170,7 @@ class ProxyServer:
             self.role.ready_file().write_text(json.dumps(info))
         if self.policy_path is not None:
             self._watch_task = asyncio.create_task(self._watch_policy(), name="policy-watch")
+        self._lag_task = asyncio.create_task(self.telemetry.watch_loop_lag(), name="loop-lag")
         return self.ports
 
     def _serves_grpc(self) -> bool:
@@ -178,9 +185,23 @@ class ProxyServer:
             log.info("no instance has a gRPC address (instances[].grpc): gRPC frontend off")
         return not without
 
-    async def _start_grpc(self) -> int:
+    async def _start_admin_relay(self, http: HttpFrontend, grpc: GrpcFrontend | None) -> None:
+        """With several workers, model control is fanned out by the leader alone: it serves
+        the relay socket, the followers send their calls there (proxy.frontends.admin_relay)."""
+        if self.role is None or self.role.count <= 1:
+            return
+        path = admin_relay.socket_path(self.role.state_dir)
+        if self.role.leader:
+            self._admin_endpoint = admin_relay.LeaderEndpoint(
+                http.fan_out, grpc.fan_out if grpc is not None else None
+            )
+            await self._admin_endpoint.start(path)
+        else:
+            self.runtime.admin_leader = admin_relay.LeaderClient(path)
+
+    async def _start_grpc(self, frontend: GrpcFrontend) -> int:
         listen = self.config.listen
-        server = GrpcFrontend(self.current).server(
+        server = frontend.server(
             self.config.limits.max_body_bytes, reuse_port=self.role is not None
         )
         host = f"[{listen.host}]" if ":" in listen.host else listen.host
@@ -234,11 +255,12 @@ class ProxyServer:
         ``limits.drain_timeout_s`` to finish; requests still queued at the deadline get 503 /
         UNAVAILABLE, and the in-flight ones left are cancelled.
         """
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
-            self._watch_task = None
+        for task in (self._watch_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watch_task = self._lag_task = None
         rt = self.runtime
         rt.draining = True
         drain_s = self.config.limits.drain_timeout_s
@@ -271,6 +293,11 @@ class ProxyServer:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
+        if self._admin_endpoint is not None:
+            await self._admin_endpoint.stop()
+            self._admin_endpoint = None
+        if rt.admin_leader is not None:
+            await rt.admin_leader.close()
         await rt.stop()
 
     def _unfinished(self) -> int:

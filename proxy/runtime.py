@@ -27,6 +27,7 @@ from proxy.fleet.instances import Fleet, Instance
 from proxy.fleet.model_control import ModelControl
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
+from proxy.frontends.admin_relay import LeaderClient
 from proxy.frontends.common import private_headers
 from proxy.leadership import build_leadership
 from proxy.observer import RequestObservers
@@ -101,6 +102,9 @@ class Runtime:
         self.budget = ByteBudget(config.limits.max_buffered_bytes)
         self.draining = False
         """Shutdown began: readiness answers "not ready" (see ``ProxyServer.stop``)."""
+        self.admin_leader: LeaderClient | None = None
+        """A follower worker's way to the leader, which alone fans model control out
+        (:mod:`proxy.frontends.admin_relay`; set by ``ProxyServer``)."""
         self.affinity = SequenceAffinity(
             clock,
             max_entries=config.sequences.max_entries,

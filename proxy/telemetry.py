@@ -8,6 +8,7 @@ collector, so it never goes stale in between. Every family is defined in this mo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -27,6 +28,8 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LOOP_LAG_INTERVAL_S = 0.1
 DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 
 M = TypeVar("M", Counter, Histogram)
@@ -118,6 +121,14 @@ class Telemetry:
             ["instance"],
             registry=r,
         )
+        self.model_control_calls = Counter(
+            "triton_proxy_model_control_calls",
+            "Model-control calls (load, unload, settings) by protocol and how this process "
+            "handled them: fanned_out to the fleet, or relayed_to_leader (with --workers, only "
+            "the leader worker fans out)",
+            ["protocol", "handled"],
+            registry=r,
+        )
         self.reloads = Counter(
             "triton_proxy_policy_reloads",
             "Policy file reloads, by result",
@@ -150,6 +161,14 @@ class Telemetry:
             ["loop", "model", "reason"],
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "triton_proxy_event_loop_lag_seconds",
+            "How late the proxy's event loop ran a timer (sampled every "
+            f"{LOOP_LAG_INTERVAL_S:g} s): time every request waits before its next step runs. "
+            "High values mean the proxy process itself is short of CPU",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         self._fleet_collector: _FleetCollector | None = None
         # Children used on every request, looked up once per label combination.
         self.requests_by = Children(self.requests)
@@ -167,6 +186,16 @@ class Telemetry:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def watch_loop_lag(self) -> None:
+        """Sample the event loop's lag until cancelled: sleep ``LOOP_LAG_INTERVAL_S`` and
+        record how much later than asked the loop woke up (the real loop's clock: this measures
+        the process, not the proxy's logic)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.loop_lag.observe(max(0.0, loop.time() - asked))
 
 
 class RequestTelemetry:

@@ -27,8 +27,11 @@ Shape (the simplest one we could make honest):
 - The leader alone serves the configured metrics port; followers serve theirs on a loopback
   port named in their ready file, and the leader's ``/metrics`` merges them, adding a
   ``worker`` label to every series (sum over ``worker`` for proxy-wide figures).
-- Model control (load/unload, trace and log settings) is fanned out by whichever worker the
-  call reaches; it is one call per client request, not a loop, and Triton serialises it.
+- Model control (load/unload, trace and log settings) is fanned out by the leader alone, as
+  it alone runs the loops that reload models: a follower checks the caller's admin token and
+  hands the call to the leader over a Unix socket in the state directory
+  (:mod:`proxy.frontends.admin_relay`); while the leader is being restarted such a call gets
+  503 / UNAVAILABLE and was not made.
 
 Class limits stay correct in total because each worker enforces ``1/N`` of them: see
 :func:`per_worker_scheduling` for the arithmetic and its error bound.

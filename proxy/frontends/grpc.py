@@ -363,36 +363,61 @@ class GrpcFrontend:
         return await self._relay("RepositoryIndex", request, context)
 
     def to_every_instance(self, method: str) -> UnaryHandler:
-        """Load/unload/settings go to every instance; the first failure is returned."""
+        """Load/unload/settings go to every instance; the first failure is returned. With
+        several workers, only the leader fans out (:mod:`proxy.frontends.admin_relay`)."""
 
         async def handler(request: bytes, context: Any) -> bytes:
             self._check_admin(context)
             rt = self._rt()
             forward = forward_metadata(_metadata(context), rt.private_headers)
-
-            async def one(instance: Instance) -> bytes:
-                try:
-                    return await self._unary(rt, instance, method, request, forward, context)
-                except grpc.aio.AioRpcError as exc:
-                    raise InstanceFailure(exc.code(), exc.details() or "") from exc
-                except (
-                    UpstreamConnectError,
-                    UpstreamLostError,
-                    UpstreamTimeoutError,
-                    ProxyError,
-                ) as exc:
-                    raise InstanceFailure(
-                        grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
-                    ) from exc
-
-            fan = await to_every_instance(rt.fleet.all(), one)
-            failed = fan.failure()
-            if failed is None:
-                return fan.answers[0][1]
-            first, message = failed
-            await _abort(context, first.code, message)
+            try:
+                if rt.admin_leader is not None:
+                    rt.telemetry.model_control_calls.labels("grpc", "relayed_to_leader").inc()
+                    return await rt.admin_leader.grpc(method, request, forward)
+                return await self.fan_out(method, request, forward, context)
+            except InstanceFailure as failed:
+                await _abort(context, failed.code, failed.message)
 
         return handler
+
+    async def fan_out(
+        self, method: str, request: bytes, forward: Metadata, context: Any = None
+    ) -> bytes:
+        """Send one model-control call to every instance: the first instance's answer, or
+        ``InstanceFailure`` with the first failure, its message naming the instance. The calls
+        carry the deadline of the client's call ``context`` (none for a relayed call)."""
+        rt = self._rt()
+        rt.telemetry.model_control_calls.labels("grpc", "fanned_out").inc()
+
+        async def one(instance: Instance) -> bytes:
+            try:
+                return await self._unary(
+                    rt,
+                    instance,
+                    method,
+                    request,
+                    forward,
+                    context,
+                    client_deadline=context is not None,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise InstanceFailure(exc.code(), exc.details() or "") from exc
+            except (
+                UpstreamConnectError,
+                UpstreamLostError,
+                UpstreamTimeoutError,
+                ProxyError,
+            ) as exc:
+                raise InstanceFailure(
+                    grpc.StatusCode.UNAVAILABLE, f"{instance.name}: {exc}"
+                ) from exc
+
+        fan = await to_every_instance(rt.fleet.all(), one)
+        failed = fan.failure()
+        if failed is None:
+            return fan.answers[0][1]
+        first, message = failed
+        raise InstanceFailure(first.code, message)
 
     def settings(self, method: str, request_type: type[Message]) -> UnaryHandler:
         """Reading trace/log settings is open (as HTTP GET is); changing them is admin."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -336,16 +336,32 @@ class HttpFrontend:
         check_admin(self._rt().config.admin, request.headers.get("Authorization"))
 
     async def admin_all(self, request: Request, route: Route) -> Response:
-        """Load/unload/settings go to every instance; the first failure is returned."""
+        """Load/unload/settings go to every instance; the first failure is returned. With
+        several workers, only the leader fans out (:mod:`proxy.frontends.admin_relay`)."""
         rt = self._rt()
         body = request.body
-        headers = _forward_headers(request.headers, rt.private_headers)
+        headers = list(_forward_headers(request.headers, rt.private_headers).items())
+        if rt.admin_leader is not None:
+            rt.telemetry.model_control_calls.labels("http", "relayed_to_leader").inc()
+            fan_out = rt.admin_leader.http
+        else:
+            fan_out = self.fan_out
+        status, data = await fan_out(request.method, route.upstream_path, headers, body)
+        return Response(status, data, _JSON)
+
+    async def fan_out(
+        self, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes
+    ) -> tuple[int, bytes]:
+        """Send one model-control call to every instance: the first failure, or the first
+        instance's answer."""
+        rt = self._rt()
+        rt.telemetry.model_control_calls.labels("http", "fanned_out").inc()
 
         async def one(instance: Instance) -> tuple[int, bytes]:
             session = rt.upstreams.session(instance)
             try:
                 async with session.request(
-                    request.method, route.upstream_path, data=body or None, headers=headers
+                    method, path, data=body or None, headers=list(headers)
                 ) as resp:
                     status, data = resp.status, await resp.read()
             except aiohttp.ClientError as exc:
@@ -358,9 +374,7 @@ class HttpFrontend:
         fan = await to_every_instance(rt.fleet.all(), one)
         failed = fan.failure()
         if failed is None:
-            status, data = fan.answers[0][1]
-        else:
-            first, message = failed
-            status = first.code
-            data = first.raw if fan.total == 1 and first.raw is not None else error_body(message)
-        return Response(status, data, _JSON)
+            return fan.answers[0][1]
+        first, message = failed
+        data = first.raw if fan.total == 1 and first.raw is not None else error_body(message)
+        return first.code, data

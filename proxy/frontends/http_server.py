@@ -655,7 +655,9 @@ class HttpServer:
         self._servers: list[asyncio.Server] = []
         self.port: int | None = None
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+    async def start(
+        self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 128
+    ) -> int:
         """Listen on ``host``:``port`` (0: any free port); returns the bound port."""
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
@@ -664,6 +666,7 @@ class HttpServer:
             port,
             reuse_address=True,
             reuse_port=reuse_port,
+            backlog=backlog,
         )
         self._servers.append(server)
         self.port = int(server.sockets[0].getsockname()[1])

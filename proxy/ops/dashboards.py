@@ -695,7 +695,13 @@ def routing() -> Dashboard:
                             "triton_proxy_routing_decision_seconds", "policy", (), (0.5, 0.99)
                         ),
                         unit="s",
-                        width=24,
+                        width=12,
+                    ),
+                    Panel(
+                        "Proxy event-loop lag P50 / P99 (by worker): is the proxy short of CPU?",
+                        quantiles("triton_proxy_event_loop_lag_seconds", "worker", (), (0.5, 0.99)),
+                        unit="s",
+                        width=12,
                     ),
                 ),
             ),

@@ -1,5 +1,5 @@
 """A small fake Triton (HTTP only) for tests of the proxy's own behaviour: ready, model config,
-infer (optionally held until released), metrics; it counts what it was asked."""
+infer (optionally held until released), model load, metrics; it counts what it was asked."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ class FakeTriton:
                 await self.hold.wait()
             return web.json_response({"outputs": []})
 
+        async def load(request: web.Request) -> web.Response:
+            await request.read()
+            self.hits["load"] += 1
+            if "authorization" in request.headers:
+                self.hits["credential leaked"] += 1
+            return web.json_response({})
+
         async def metrics(request: web.Request) -> web.Response:
             self.hits["metrics"] += 1
             return web.Response(
@@ -47,6 +54,7 @@ class FakeTriton:
         app.router.add_get("/v2/health/ready", ready)
         app.router.add_get("/v2/models/{model}/config", config)
         app.router.add_post("/v2/models/{model}/infer", infer)
+        app.router.add_post("/v2/repository/models/{model}/load", load)
         app.router.add_get("/metrics", metrics)
         return app
 

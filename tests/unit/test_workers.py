@@ -314,3 +314,74 @@ async def test_workers_reload_on_sighup_and_a_dead_worker_is_replaced(tmp_path):
         finally:
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_only_the_leader_worker_fans_model_control_out(tmp_path):
+    """A load call that reaches a follower is handed to the leader, which alone calls the
+    fleet; the client gets the same answer whichever worker its connection reached."""
+    async with fake_triton() as (fake, url):
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(
+            yaml.safe_dump(
+                {
+                    "instances": [{"name": "t0", "http": url, "metrics": url + "/metrics"}],
+                    "listen": {"host": "127.0.0.1", "http_port": 0, "metrics_port": 0},
+                    "admin": {"enabled": True, "token": "s3cret"},
+                }
+            )
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--workers",
+            "2",
+            "--policy",
+            str(policy),
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            ports = await _banner(proc)
+            base = f"http://127.0.0.1:{ports['http']}"
+            for _ in range(30):
+                # A new connection each time: the kernel spreads connections over the workers.
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(
+                        base + "/v2/repository/models/m/load",
+                        headers={"Authorization": "Bearer s3cret"},
+                        data=b"{}",
+                    ) as resp,
+                ):
+                    assert resp.status == 200, await resp.text()
+                    assert await resp.json() == {}
+            for _ in range(6):
+                # Without the token: refused by whichever worker it reached, never relayed.
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(base + "/v2/repository/models/m/load", data=b"{}") as resp,
+                ):
+                    assert resp.status == 403
+            assert fake.hits["load"] == 30
+            assert fake.hits["credential leaked"] == 0
+            metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
+            async with aiohttp.ClientSession() as s, s.get(metrics_url) as resp:
+                text = await resp.text()
+            calls = Counter[tuple[str, str]]()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "triton_proxy_model_control_calls_total" and sample.value:
+                        calls[sample.labels["worker"], sample.labels["handled"]] += int(
+                            sample.value
+                        )
+            # Both workers were reached; the follower relayed, the leader did every fan-out.
+            assert calls[("1", "relayed_to_leader")] > 0, calls
+            assert calls[("0", "fanned_out")] == 30, calls
+            assert set(calls) == {("0", "fanned_out"), ("1", "relayed_to_leader")}, calls
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
