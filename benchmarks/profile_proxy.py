@@ -68,6 +68,8 @@ def category(stack: str, protocol: str) -> str:
             return "frontend: route match, body read, headers, parameters"
         if any(m in stack for m in ("web_protocol", "web_app", "web_response")):
             return "aiohttp server: parse, request/response objects, write"
+        if "http_server" in stack:
+            return "HTTP server (proxy/frontends/http_server.py): parse, answer, write"
         return "event loop (uvloop) and other"
     if any(m in stack for m in ("GrpcUpstreams.unary", "UnaryUnaryCall", "grpc/aio/_channel")):
         return "upstream call: grpc.aio client"

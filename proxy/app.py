@@ -21,6 +21,7 @@ from proxy.config import ProxyConfig, load_file
 from proxy.frontends import admin_relay
 from proxy.frontends.grpc import GrpcFrontend
 from proxy.frontends.http import HttpFrontend
+from proxy.frontends.http_server import HttpServer
 from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
 from proxy.strict import ConfigError
@@ -80,7 +81,7 @@ class ProxyServer:
             role=role,
         )
         self.telemetry.watch(self.current)
-        self._http_runner: web.AppRunner | None = None
+        self._http_server: HttpServer | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._grpc_server: grpc.aio.Server | None = None
         self._admin_endpoint: admin_relay.LeaderEndpoint | None = None
@@ -154,22 +155,10 @@ class ProxyServer:
         await self.runtime.start()
         listen = self.config.listen
         http_frontend = HttpFrontend(self.current)
-        app = http_frontend.app(self.config.limits.max_body_bytes)
-        # stop() drains first; the runner's own timeout only covers writing the last answers.
-        self._http_runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        self._http_server = HttpServer(http_frontend)
+        http_port = await self._http_server.start(
+            listen.host, listen.http_port, reuse_port=self.role is not None, backlog=listen.backlog
         )
-        await self._http_runner.setup()
-        site = web.TCPSite(
-            self._http_runner,
-            listen.host,
-            listen.http_port,
-            reuse_address=True,
-            reuse_port=self.role is not None,
-            backlog=listen.backlog,
-        )
-        await site.start()
-        http_port = self._http_runner.addresses[0][1]
         self._metrics_runner, metrics_port = await self._start_metrics()
         grpc_frontend = GrpcFrontend(self.current) if serves_grpc else None
         grpc_port = await self._start_grpc(grpc_frontend) if grpc_frontend else None
@@ -280,11 +269,8 @@ class ProxyServer:
             # Refuses new calls at once, cancels those still running after the grace.
             grpc_stopped = asyncio.create_task(self._grpc_server.stop(drain_s + 1.0))
             self._grpc_server = None
-        if self._http_runner is not None:
-            for site in list(self._http_runner.sites):
-                await site.stop()
-            if self._http_runner.server is not None:
-                self._http_runner.server.pre_shutdown()
+        if self._http_server is not None:
+            self._http_server.stop_listening()
         deadline = self.clock.now() + drain_s
         while self._unfinished() and self.clock.now() < deadline:
             await asyncio.sleep(0.05)
@@ -298,9 +284,10 @@ class ProxyServer:
             )
         if rt.gates is not None:
             rt.gates.close()  # what is still queued gets 503 now
-        if self._http_runner is not None:
-            await self._http_runner.cleanup()
-            self._http_runner = None
+        if self._http_server is not None:
+            # Drained above: this only covers writing the last answers, then cuts the rest.
+            await self._http_server.close(timeout_s=1.0)
+            self._http_server = None
         if grpc_stopped is not None:
             await grpc_stopped
         if self._metrics_runner is not None:

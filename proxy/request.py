@@ -72,7 +72,7 @@ class Call:
 
     model: str
     headers: Mapping[str, str] = field(default_factory=dict)
-    """Request headers (aiohttp's case-insensitive mapping) or gRPC metadata (lower-case)."""
+    """Request headers (a case-insensitive ``CIMultiDictProxy``) or gRPC metadata (lower-case)."""
     params: InferParams = NO_PARAMS
     session_key: str | None = None
     cost: float = 1.0

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
-from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.budget import Hold
@@ -34,6 +32,7 @@ from proxy.frontends.common import (
     check_admin,
     shared_memory_call,
 )
+from proxy.frontends.http_server import Request, Response, Stream
 from proxy.frontends.kserve_http import (
     HEADER_LENGTH,
     check_content_encoding,
@@ -74,8 +73,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 
-
-_BODY_HOLD = web.RequestKey("body_hold", Hold)
+_JSON = (("Content-Type", "application/json"),)
 
 
 def _forward_headers(
@@ -93,36 +91,66 @@ def _forward_headers(
     return out
 
 
-def error_response(exc: ProxyError) -> web.Response:
-    headers = {"Content-Type": "application/json"}
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    return web.Response(status=exc.code.http_status, body=exc.body(), headers=headers)
+class _BodyHold:
+    """A request body held against the byte budget, refused past ``limits.max_body_bytes``."""
+
+    __slots__ = ("_hold", "_limit", "_too_large")
+
+    def __init__(self, hold: Hold, limit: int, too_large: Callable[[int], ProxyError]) -> None:
+        self._hold = hold
+        self._limit = limit
+        self._too_large = too_large
+
+    @property
+    def nbytes(self) -> int:
+        return self._hold.nbytes
+
+    def grow(self, nbytes: int) -> None:
+        if self._hold.nbytes + nbytes > self._limit:
+            raise self._too_large(self._limit)
+        self._hold.grow(nbytes)
+
+    def release(self) -> None:
+        self._hold.release()
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        Code.PAYLOAD_TOO_LARGE,
+        f"Request content size exceeds the maximum allowed input size of {limit} bytes. "
+        "Raise limits.max_body_bytes in the proxy's policy file to increase the limit.",
+    )
 
 
 class HttpFrontend:
-    """Builds the aiohttp application serving Triton's HTTP protocol for one :class:`Runtime`."""
+    """Serves Triton's HTTP protocol for one :class:`Runtime`, as the application of the
+    proxy's lean HTTP/1.1 server (:mod:`proxy.frontends.http_server`)."""
 
     def __init__(self, runtime_ref: Callable[[], Runtime]) -> None:
         # A callable, not a Runtime: the server outlives any one runtime object (tests and
         # reloads may hand it another).
         self._rt = runtime_ref
 
-    def app(self, max_body_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
-        # One handler: the path is canonicalised and matched against the explicit table in
-        # proxy.frontends.routes, never by aiohttp's router (which would see decoded paths).
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
+    def open_body(self, request: Request) -> _BodyHold:
+        """Hold the body against the byte budget from its head on, refused (413) past the body
+        limit: by its ``Content-Length`` before any of it is read, else as it arrives (chunked,
+        or decompressed). The server releases the hold whatever way the request ends."""
+        rt = self._rt()
+        limit = rt.config.limits.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise _too_large(limit)
+        return _BodyHold(rt.budget.hold(length or 0), limit, _too_large)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        route = routes.match(request.method, request.raw_path)
+    async def handle(self, request: Request) -> Response | Stream:
+        # The raw target is canonicalised and matched against the explicit route table.
+        route = routes.match(request.method, request.target)
         kind = route.kind
         if kind is Kind.LIVE:
-            return web.Response(status=200)
+            return Response(200)
         if kind is Kind.READY:
             # Triton answers 400 (with an empty body) when not ready.
-            return web.Response(status=200 if self._rt().ready() else 400)
+            return Response(200 if self._rt().ready() else 400)
         if kind in INFERENCE_KINDS:
             return await self._dispatch(request, route)
         if kind is Kind.READ:
@@ -134,79 +162,19 @@ class HttpFrontend:
             return await self.relay(request, route)
         return await self.admin_all(request, route)
 
-    # --- middleware -----------------------------------------------------------------------
-    @web.middleware
-    async def _errors(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ProxyError as exc:
-            return error_response(exc)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                ProxyError(
-                    Code.PAYLOAD_TOO_LARGE,
-                    "Request content size exceeds the maximum allowed input size of "
-                    f"{self._rt().config.limits.max_body_bytes} bytes. Raise "
-                    "limits.max_body_bytes in the proxy's policy file to increase the limit.",
-                )
-            )
-        except web.HTTPException as exc:
-            # aiohttp's own refusals, in Triton's error format. Its router answers 404 only for
-            # a target the catch-all route cannot match, i.e. one not in origin form
-            # (``CONNECT host:port``, ``OPTIONS *``): the same refusal as any other such target.
-            if exc.status < 400:
-                raise
-            if exc.status == 404:
-                return error_response(routes.not_origin_form())
-            code = {405: Code.METHOD_NOT_ALLOWED}.get(exc.status, Code.INVALID_ARG)
-            return error_response(ProxyError(code, exc.reason))
-        finally:
-            hold = request.get(_BODY_HOLD)
-            if hold is not None:
-                hold.release()
-
     # --- inference ------------------------------------------------------------------------
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The whole body, held against the byte budget until the request ends."""
-        rt = self._rt()
-        limit = rt.config.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        # Released by the middleware, whatever way the request ends.
-        hold = request[_BODY_HOLD] = rt.budget.hold(request.content_length or 0)
-        try:
-            if request.content_length is not None:
-                body = await request.read()
-                # A compressed body is held at its decompressed size (aiohttp decodes it).
-                if len(body) > hold.nbytes:
-                    hold.grow(len(body) - hold.nbytes)
-                return body
-            chunks: list[bytes] = []
-            async for chunk in request.content.iter_chunked(1 << 16):
-                if hold.nbytes + len(chunk) > limit:
-                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=hold.nbytes)
-                hold.grow(len(chunk))
-                chunks.append(chunk)
-            return b"".join(chunks)
-        except RequestPayloadError as exc:
-            # A body that ends early or does not decode (a corrupt gzip body, say): the
-            # client's fault, answered as such.
-            raise ProxyError(Code.INVALID_ARG, f"could not read the request body: {exc}") from exc
-
-    async def _dispatch(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def _dispatch(self, request: Request, route: Route) -> Response | Stream:
         rt = self._rt()
         assert route.model is not None
         check_content_encoding(request.headers.get("Content-Encoding"))
-        body = await self._read_body(request)
-        # aiohttp hands the body over decoded, so its encoding header must not go upstream.
+        body = request.body
+        # The server hands the body over decoded, so its encoding header must not go upstream.
         headers = _forward_headers(request.headers, rt.private_headers, "content-encoding")
         infer = route.kind is Kind.INFER
         header_length = request.headers.get(HEADER_LENGTH) if infer else None
         shapes = http_shapes(json_header(body, header_length)) if infer else []
         check_shapes(shapes, len(body))
-        # aiohttp's headers are case-insensitive already: no lower-cased copy is needed.
+        # The server's headers are case-insensitive already: no lower-cased copy is needed.
         params = read_params(body, header_length)
         call = Call(
             model=route.model,
@@ -222,7 +190,7 @@ class HttpFrontend:
         )
         stream = route.kind is Kind.GENERATE_STREAM
 
-        async def send(instance: Instance, forward: Forward) -> web.StreamResponse:
+        async def send(instance: Instance, forward: Forward) -> Response | Stream:
             data, hdrs = body, headers
             # Triton's generate extension has no request priority or timeout (such keys there
             # are only custom parameters): its class order is the proxy's queue alone.
@@ -249,14 +217,14 @@ class HttpFrontend:
     async def _exchange(
         self,
         instance: Instance,
-        request: web.Request,
+        request: Request,
         path: str,
         body: bytes,
         headers: CIMultiDict[str],
         *,
         stream: bool = False,
         dispatched: bool = False,
-    ) -> web.StreamResponse:
+    ) -> Response | Stream:
         """Send one request for ``path`` (built by the route table) to ``instance`` and relay
         its answer to the client.
 
@@ -284,12 +252,12 @@ class HttpFrontend:
     async def _relay_answer(
         self,
         instance: Instance,
-        request: web.Request,
+        request: Request,
         upstream: aiohttp.ClientResponse,
         *,
         stream: bool,
         dispatched: bool,
-    ) -> web.StreamResponse:
+    ) -> Response | Stream:
         if upstream.status >= 500:
             self._rt().health.check_soon(instance)
         out_headers = _forward_headers(upstream.headers)
@@ -298,14 +266,13 @@ class HttpFrontend:
                 data = await upstream.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise http_failure(exc, before_response=False) from exc
-            answer = web.Response(status=upstream.status, body=data, headers=out_headers)
+            answer = Response(upstream.status, data, out_headers.items())
             if dispatched and upstream.status in (400, 404):
                 text = data.decode(errors="replace")
                 if says_model_absent(text):
                     raise ModelAbsentError(text, answer)
             return answer
-        response = web.StreamResponse(status=upstream.status, headers=out_headers)
-        await response.prepare(request)
+        response = request.start_stream(upstream.status, out_headers.items())
         try:
             # Relay each chunk as it arrives: server-sent events must not be buffered.
             async for chunk in upstream.content.iter_any():
@@ -316,7 +283,7 @@ class HttpFrontend:
             log.warning("stream from %s broke off: %s", instance.name, exc)
             self._rt().health.check_soon(instance)
             return response
-        await response.write_eof()
+        await response.end()
         return response
 
     async def _exchange_http1(
@@ -329,7 +296,7 @@ class HttpFrontend:
         headers: CIMultiDict[str],
         *,
         dispatched: bool,
-    ) -> web.Response:
+    ) -> Response:
         """A non-streaming exchange through the lean HTTP/1.1 pool (proxy.fleet.http1); the
         same answers and failures as :meth:`_relay_answer` gives for aiohttp's client."""
         rt = self._rt()
@@ -340,8 +307,8 @@ class HttpFrontend:
             raise UpstreamTimeoutError(f"no answer within {timeout:g} s") from exc
         if answer.status >= 500:
             rt.health.check_soon(instance)
-        out = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP)
-        response = web.Response(status=answer.status, body=answer.body, headers=out)
+        out = [(k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP]
+        response = Response(answer.status, answer.body, out)
         if dispatched and answer.status in (400, 404):
             text = answer.body.decode(errors="replace")
             if says_model_absent(text):
@@ -349,30 +316,30 @@ class HttpFrontend:
         return response
 
     # --- everything else ------------------------------------------------------------------
-    async def relay(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def relay(self, request: Request, route: Route) -> Response | Stream:
         """Metadata, config, statistics...: any ready instance answers as Triton would."""
         rt = self._rt()
-        body = await self._read_body(request) if request.method == "POST" else b""
+        body = request.body if request.method == "POST" else b""
         headers = _forward_headers(request.headers, rt.private_headers)
         return await rt.dispatcher.any_ready(
             lambda instance: self._exchange(instance, request, route.upstream_path, body, headers)
         )
 
-    def shared_memory(self, route: Route) -> web.Response:
+    def shared_memory(self, route: Route) -> Response:
         kind: SharedMemoryKind = "cuda" if route.shm_kind == "cuda" else "system"
         action = _SHARED_MEMORY_ACTIONS[route.shm_action]
         shared_memory_call(kind, action, route.shm_region)
         # What Triton answers with no region registered.
-        return web.json_response([]) if action == "status" else web.Response(status=200)
+        return Response(200, b"[]", _JSON) if action == "status" else Response(200)
 
-    def _check_admin(self, request: web.Request) -> None:
+    def _check_admin(self, request: Request) -> None:
         check_admin(self._rt().config.admin, request.headers.get("Authorization"))
 
-    async def admin_all(self, request: web.Request, route: Route) -> web.Response:
+    async def admin_all(self, request: Request, route: Route) -> Response:
         """Load/unload/settings go to every instance; the first failure is returned. With
         several workers, only the leader fans out (:mod:`proxy.frontends.admin_relay`)."""
         rt = self._rt()
-        body = await self._read_body(request)
+        body = request.body
         headers = list(_forward_headers(request.headers, rt.private_headers).items())
         if rt.admin_leader is not None:
             rt.telemetry.model_control_calls.labels("http", "relayed_to_leader").inc()
@@ -380,7 +347,7 @@ class HttpFrontend:
         else:
             fan_out = self.fan_out
         status, data = await fan_out(request.method, route.upstream_path, headers, body)
-        return web.Response(status=status, body=data, content_type="application/json")
+        return Response(status, data, _JSON)
 
     async def fan_out(
         self, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes

@@ -3,7 +3,7 @@
 Bodies are forwarded untouched, with two exceptions that security needs:
 
 - a compressed inference body (``Content-Encoding: gzip`` or ``deflate``, which Triton
-  accepts) arrives decompressed from aiohttp, bounded by the body limit, and is forwarded
+  accepts) arrives decompressed from the HTTP server, bounded by the body limit, and is forwarded
   uncompressed: otherwise the proxy could neither read its routing parameters nor enforce the
   class's priority; any other encoding is refused (:func:`check_content_encoding`);
 - when the request's class sets a Triton ``priority`` (or the proxy hands on what is left of
@@ -33,11 +33,11 @@ _UNICODE_ESCAPE = b"\\u"
 def check_content_encoding(content_encoding: str | None) -> None:
     """Refuse (400) an inference body in an encoding the proxy cannot read.
 
-    aiohttp's server decodes ``gzip`` and ``deflate`` bodies as it reads them, bounded by the
-    body limit (a zip bomb gets 413 once its decompressed bytes pass it), so the proxy sees,
-    rewrites and forwards the decoded body. Any other encoding (``br`` included: without a
-    decoder aiohttp would hand over an empty body) would leave the proxy blind to the body's
-    parameters, so it is refused rather than passed through.
+    The proxy's HTTP server (:mod:`proxy.frontends.http_server`) decodes ``gzip`` and
+    ``deflate`` bodies as it reads them, bounded by the body limit (a zip bomb gets 413 once
+    its decompressed bytes pass it), so the proxy sees, rewrites and forwards the decoded body.
+    Any other encoding (``br`` included) arrives as sent and would leave the proxy blind to the
+    body's parameters, so it is refused rather than passed through.
     """
     encoding = (content_encoding or "identity").strip().lower()
     if encoding not in _READABLE_ENCODINGS:

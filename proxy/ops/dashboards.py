@@ -699,9 +699,7 @@ def routing() -> Dashboard:
                     ),
                     Panel(
                         "Proxy event-loop lag P50 / P99 (by worker): is the proxy short of CPU?",
-                        quantiles(
-                            "triton_proxy_event_loop_lag_seconds", "worker", (), (0.5, 0.99)
-                        ),
+                        quantiles("triton_proxy_event_loop_lag_seconds", "worker", (), (0.5, 0.99)),
                         unit="s",
                         width=12,
                     ),

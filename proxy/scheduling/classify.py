@@ -28,8 +28,8 @@ from proxy.scheduling.config import HASHED_KEY_PREFIX, ApiKeyConfig, SchedulingC
 def header(headers: Mapping[str, str], name: str) -> str | None:
     """``headers[name]`` with the name matched case-insensitively, or None.
 
-    aiohttp's headers are case-insensitive already and gRPC metadata keys are lower case; the
-    scan covers plain dicts built any other way.
+    HTTP headers (a ``CIMultiDictProxy``) are case-insensitive already and gRPC metadata keys
+    are lower case; the scan covers plain dicts built any other way.
     """
     value = headers.get(name)
     if value is not None or isinstance(headers, CIMultiDictProxy | CIMultiDict):

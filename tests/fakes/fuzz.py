@@ -40,7 +40,8 @@ class HttpCase:
     data: bytes
     must_refuse: bool = False
     parser_level: bool = False
-    """Rejected by the HTTP parser before any handler runs (aiohttp answers a plain 400)."""
+    """Rejected by the HTTP parser before any handler runs (a 400; aiohttp's server answered it
+    in plain text, the proxy's own server in Triton's format)."""
     may_drop: bool = False
     half_close: bool = False
 

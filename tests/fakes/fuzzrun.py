@@ -25,26 +25,21 @@ GRPC_FAILURES = frozenset(
         grpc.StatusCode.DEADLINE_EXCEEDED,
     )
 )
-# Log lines of an exception nobody handled (aiohttp logs "Error handling request" for a
-# handler's exception, asyncio "... exception was never retrieved").
+# Log lines of an exception nobody handled: a handler's exception is logged "unexpected error
+# answering" by the proxy's HTTP server and "Error handling request" by aiohttp's (the metrics
+# port); asyncio logs "... exception was never retrieved".
 UNHANDLED_IN_LOG = re.compile(
-    r"Traceback|Error handling request|exception was never retrieved|Unhandled exception"
+    r"Traceback|unexpected error answering|Error handling request|exception was never retrieved"
+    r"|Unhandled exception"
 )
 _LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", re.M)
-# aiohttp's request parser logs every malformed request it refuses (400) as "Error handling
-# request" with the parser's exception: those are refusals, not failures.
-_PARSER_REFUSAL = re.compile(r"^aiohttp\.http_exceptions\.\w+: 400", re.M)
 
 
 def unhandled_errors(log: str) -> list[str]:
-    """Log records of exceptions nobody handled (parser refusals excluded)."""
+    """Log records of exceptions nobody handled."""
     starts = [m.start() for m in _LOG_RECORD.finditer(log)] + [len(log)]
     records = [log[a:b] for a, b in itertools.pairwise(starts)]
-    return [
-        r.strip()[:1500]
-        for r in records
-        if UNHANDLED_IN_LOG.search(r) and not _PARSER_REFUSAL.search(r)
-    ]
+    return [r.strip()[:1500] for r in records if UNHANDLED_IN_LOG.search(r)]
 
 
 @dataclass
