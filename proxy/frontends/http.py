@@ -40,7 +40,7 @@ from proxy.frontends.kserve_http import (
     read_params,
     with_parameters,
 )
-from proxy.frontends.routes import INFERENCE_KINDS, Kind, Route
+from proxy.frontends.routes import ADMIN_KINDS, INFERENCE_KINDS, Kind, Route
 from proxy.request import Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
@@ -134,8 +134,17 @@ class HttpFrontend:
     def open_body(self, request: Request) -> _BodyHold:
         """Hold the body against the byte budget from its head on, refused (413) past the body
         limit: by its ``Content-Length`` before any of it is read, else as it arrives (chunked,
-        or decompressed). The server releases the hold whatever way the request ends."""
+        or decompressed). The server releases the hold whatever way the request ends.
+
+        What the head alone decides is refused before a byte of the body is read: a target
+        the route table refuses, a model-control call without the admin token, an inference
+        body in an encoding the proxy cannot read (:meth:`handle` matches again, memoised)."""
         rt = self._rt()
+        route = routes.match(request.method, request.target)
+        if route.kind in INFERENCE_KINDS:
+            check_content_encoding(request.headers.get("Content-Encoding"))
+        elif route.kind in ADMIN_KINDS:
+            self._check_admin(request)
         limit = rt.config.limits.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:

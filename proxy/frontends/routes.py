@@ -55,6 +55,7 @@ class Kind(enum.Enum):
 
 
 INFERENCE_KINDS = frozenset((Kind.INFER, Kind.GENERATE, Kind.GENERATE_STREAM))
+ADMIN_KINDS = frozenset((Kind.ADMIN_FIRST, Kind.ADMIN_ALL))
 
 
 @dataclass(frozen=True, slots=True)

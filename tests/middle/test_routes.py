@@ -7,6 +7,7 @@ and the admin token stay at the proxy: not forwarded, not in metrics, not in log
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ import tritonclient.http as httpclient
 import yaml
 from tritonclient.grpc import service_pb2 as pb
 
+from tests.fakes.rawhttp import build, exchange
 from tests.fakes.routes import path_problem
 from tests.fakes.triton import FakeFleet
 from tests.integration.harness import policy_for
@@ -340,3 +342,29 @@ def test_grpc_reflection_of_unknown_methods_is_unimplemented(proxy_on: ProxyFact
             ch.close()
     assert code == grpc.StatusCode.UNIMPLEMENTED
     assert ready.ready
+
+
+@pytest.mark.parametrize(
+    ("target", "headers", "status"),
+    [
+        ("/v2/repository/models/simple/load", [], 403),  # no admin token
+        ("/v2/no/such/route", [], 404),
+        ("/v2/models/simple/infer", [("Content-Encoding", "br")], 400),
+    ],
+)
+def test_what_the_head_decides_is_refused_before_the_body_is_read(
+    proxy_on: ProxyFactory,
+    fakes: FakeFleet,
+    target: str,
+    headers: list[tuple[str, str]],
+    status: int,
+) -> None:
+    """A client that announces 50 MB and sends none of it is answered at once: the proxy
+    reads (and holds against its byte budget) no body it would refuse anyway."""
+    with proxy_on({"admin": {"enabled": True, "token": "s3cret"}}) as proxy:
+        head = build("POST", target, headers, b"", content_length=50_000_000)
+        answer = asyncio.run(exchange("127.0.0.1", port_of(proxy), head, timeout_s=5.0))
+        assert answer.status == status, answer
+        assert answer.triton_error()
+        assert proxy.runtime.budget.in_use == 0
+    assert not any(r.method == "POST" for f in fakes.servers for r in f.received)
