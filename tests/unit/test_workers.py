@@ -184,6 +184,24 @@ def test_merged_metrics_label_each_workers_series():
 # -- N processes on one port ----------------------------------------------------------------
 
 
+async def _serve_two_workers(policy: Path) -> asyncio.subprocess.Process:
+    """``triton-proxy serve --workers 2 --policy POLICY``, its output piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "serve",
+        "--workers",
+        "2",
+        "--policy",
+        str(policy),
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+
+
 async def _banner(proc: asyncio.subprocess.Process) -> dict[str, int]:
     ports: dict[str, int] = {}
     assert proc.stdout is not None
@@ -213,20 +231,7 @@ async def test_two_workers_share_the_port_and_the_scrape(tmp_path):
                 }
             )
         )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "serve",
-            "--workers",
-            "2",
-            "--policy",
-            str(policy),
-            cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
+        proc = await _serve_two_workers(policy)
         try:
             ports = await _banner(proc)
             assert ports["workers"] == 2
@@ -264,20 +269,7 @@ async def test_workers_reload_on_sighup_and_a_dead_worker_is_replaced(tmp_path):
             "listen": {"host": "127.0.0.1", "http_port": 0, "metrics_port": 0},
         }
         policy.write_text(yaml.safe_dump(doc))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "serve",
-            "--workers",
-            "2",
-            "--policy",
-            str(policy),
-            cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
+        proc = await _serve_two_workers(policy)
         assert proc.stdout is not None
 
         async def wait_for(text: str) -> list[str]:
@@ -330,20 +322,7 @@ async def test_only_the_leader_worker_fans_model_control_out(tmp_path):
                 }
             )
         )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "serve",
-            "--workers",
-            "2",
-            "--policy",
-            str(policy),
-            cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
+        proc = await _serve_two_workers(policy)
         try:
             ports = await _banner(proc)
             base = f"http://127.0.0.1:{ports['http']}"
