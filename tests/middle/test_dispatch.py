@@ -91,7 +91,15 @@ def test_one_lost_connection_does_not_eject(proxy_on: ProxyFactory, fakes: FakeF
 
 
 def test_n_consecutive_failures_eject(proxy_on: ProxyFactory, fakes: FakeFleet) -> None:
-    health = dict(FAST_HEALTH, eject_after_failures=2, interval_s=5.0)
+    # No re-probe during the test (backoff 5 s): with FAST_HEALTH's 0.1 s, a loaded machine let
+    # the prober readmit the instance (its readiness answers) before the check below read it.
+    health = dict(
+        FAST_HEALTH,
+        eject_after_failures=2,
+        interval_s=5.0,
+        backoff_initial_s=5.0,
+        backoff_max_s=5.0,
+    )
     fakes.servers[0].faults.append(Fault("close"))
     with proxy_on(dict(ROUND_ROBIN, health=health)) as proxy:
         got = statuses(port_of(proxy), 12)
