@@ -195,7 +195,7 @@ class ProxyServer:
             self._admin_endpoint = admin_relay.LeaderEndpoint(
                 http.fan_out, grpc.fan_out if grpc is not None else None
             )
-            await self._admin_endpoint.start(path)
+            await self._admin_endpoint.start(path, self.config.limits.max_body_bytes)
         else:
             self.runtime.admin_leader = admin_relay.LeaderClient(path)
 

@@ -84,8 +84,10 @@ class LeaderEndpoint:
         self._grpc = grpc_fan_out
         self._runner: web.AppRunner | None = None
 
-    async def start(self, path: Path) -> None:
-        app = web.Application(client_max_size=1 << 30)
+    async def start(self, path: Path, max_body_bytes: int) -> None:
+        """Serve ``path``; a relayed body is at most ``max_body_bytes`` (the follower already
+        refused larger ones: ``limits.max_body_bytes``)."""
+        app = web.Application(client_max_size=max_body_bytes)
         app.router.add_post("/http", self._on_http)
         app.router.add_post("/grpc", self._on_grpc)
         runner = web.AppRunner(app, access_log=None)

@@ -25,7 +25,7 @@ async def test_a_call_reaches_the_leader_whole_and_its_answer_comes_back(tmp_pat
 
     endpoint = LeaderEndpoint(http, grpc_fan_out)
     path = socket_path(tmp_path)
-    await endpoint.start(path)
+    await endpoint.start(path, 1 << 20)
     client = LeaderClient(path)
     try:
         assert path.stat().st_mode & 0o777 == 0o600
