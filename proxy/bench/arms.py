@@ -22,7 +22,9 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_long_lane``: ``expected_start`` packing long work into a lane of instances, the
   lowest class at ``max_per_instance: 8`` with ``spare_instances: 1`` (one instance kept free
   of it for short work) and 64 slots per instance; ``+adaptive`` has adaptive concurrency
-  instead of the 64 fixed slots.
+  instead of the 64 fixed slots;
+- ``proxy_rank_lane``: ``proxy_long_lane`` with ``slot_sharing: by_rank`` (a class counts only
+  the slots held by classes at least as important as itself).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -171,6 +173,18 @@ def _catalog() -> dict[str, ArmPlan]:
             lowest_spare_instances=1,
             policy_params={"long_placement": "pack"},
             scheduling={"concurrency": LANE_CONCURRENCY},
+        ),
+        ArmPlan(
+            "proxy_rank_lane",
+            "proxy",
+            "proxy_long_lane with slot_sharing by_rank (a class counts only the slots of "
+            "classes at least as important)",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            policy_params={"long_placement": "pack"},
+            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
         ArmPlan(
             "proxy_long_lane+adaptive",

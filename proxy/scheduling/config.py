@@ -11,6 +11,8 @@ path inside it. Omitting the section gives three classes::
       max_queued_total: null            # global queue bound; over it, the lowest classes shed
       retry_after_s: 1.0                # Retry-After sent with every shed
       concurrency: null                 # per-instance dispatch slots; null = derived
+      slot_sharing: shared              # or by_rank: a class counts only the slots held by
+                                        # classes at least as important as itself
       class_header: x-triton-proxy-class
       api_key_header: authorization     # "Authorization: Bearer <key>"; other names: raw value
       api_keys:
@@ -42,6 +44,7 @@ from proxy.control.concurrency import AdaptiveConcurrencyConfig
 from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
+SlotSharing = Literal["shared", "by_rank"]
 
 HASHED_KEY_PREFIX = "sha256:"
 """An ``api_keys`` entry starting with this holds the key's SHA-256 hex digest, not the key."""
@@ -255,6 +258,19 @@ class SchedulingConfig:
     concurrency: int | None = None
     """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
     or :func:`derive_concurrency` from the model when that is disabled."""
+    slot_sharing: SlotSharing = "shared"
+    """How classes count the dispatch slots (capacity) against each other.
+
+    ``shared``: one pool; a class may dispatch while fewer than ``capacity`` requests of any
+    class are in flight. ``by_rank``: a class counts only the requests in flight of classes at
+    least as important as itself (rank <= its own), as Triton's priority queue does: a
+    real-time request never waits in the proxy for slots held by online or offline work, which
+    Triton queues behind it anyway. Lower classes still yield to every class above them, and a
+    class short of its ``min_share`` reservation may dispatch whatever the others hold, so its
+    share holds under overload. In flight over all classes is then at most ``capacity`` per
+    distinct rank (plus the reservations), not ``capacity``. Use it when the classes map onto
+    Triton priority levels (``triton_priority``) of models that have them; without them Triton
+    serves in arrival order and ``shared`` is the right count."""
     shed_late: bool = False
     """Deadline admission: shed at once a request predicted to be answered after its budget
     (its class's ``slo_p99_ms`` or its client's deadline, whichever is earlier), instead of

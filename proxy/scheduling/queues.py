@@ -7,13 +7,17 @@ asyncio.
 
 Order of one ``pop``:
 
-1. Nothing when every slot is taken (in flight >= capacity).
+1. ``slot_sharing: shared``: nothing when every slot is taken (in flight >= capacity).
 2. Eligible classes: those with work queued, below their own cap
    (:meth:`ClassConfig.share_limit`: ``max_share`` and ``max_concurrency``), and either still
    short of their own ``min_share`` reservation, or finding a free slot beyond what the *other*
    waiting classes have reserved. A reservation is ``floor(min_share * capacity)`` less what
    the class holds, at most what it has queued and what its cap allows; it only exists while
    the class has work waiting, so idle reservations never waste capacity.
+   ``slot_sharing: by_rank``: a class's free slots are ``capacity`` less what the classes at
+   least as important as itself (rank <= its own) hold; it is eligible when it has one, or
+   when it is short of its own reservation (whatever the others hold). The classes above it
+   never wait for its slots, so it need not keep their reservations free.
 3. Among the eligible, ``strict_aging`` takes the head with the best (effective rank, arrival
    time), see :class:`AgingConfig` for the bound on waiting; ``weighted_round_robin`` takes
    the class picked by smooth weighted round robin (nginx's: each eligible class gains its
@@ -220,8 +224,11 @@ class ClassQueues(Generic[T]):
 
         Call :meth:`expire` first; ``pop`` does not look at timeouts.
         """
+        if self._total_queued == 0:
+            return None
         free = capacity - self._total_in_flight
-        if free <= 0 or self._total_queued == 0:
+        by_rank = self._config.slot_sharing == "by_rank"
+        if free <= 0 and not by_rank:
             return None
         reserved: dict[str, int] = {}
         for name, queue in self._queues.items():
@@ -233,14 +240,23 @@ class ClassQueues(Generic[T]):
             short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
             if short > 0:
                 reserved[name] = short
-        total_reserved = sum(reserved.values())
-        eligible = [
-            name
-            for name, queue in self._queues.items()
-            if queue
-            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
-            and (name in reserved or free > total_reserved)
-        ]
+        if by_rank:
+            eligible = [
+                name
+                for name, queue in self._queues.items()
+                if queue
+                and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
+                and (name in reserved or self._held_at_or_above(name) < capacity)
+            ]
+        else:
+            total_reserved = sum(reserved.values())
+            eligible = [
+                name
+                for name, queue in self._queues.items()
+                if queue
+                and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
+                and (name in reserved or free > total_reserved)
+            ]
         if not eligible:
             return None
         if self._config.dispatch == "weighted_round_robin":
@@ -252,6 +268,18 @@ class ClassQueues(Generic[T]):
         self._in_flight[chosen] = self._in_flight.get(chosen, 0) + 1
         self._total_in_flight += 1
         return entry
+
+    def _held_at_or_above(self, name: str) -> int:
+        """Requests in flight of the classes at least as important as ``name``."""
+        classes = self._config.classes
+        rank = classes[name].rank
+        # A class a reload dropped counts as the default class, where its queue went.
+        dropped = classes[self._config.default_class].rank
+        return sum(
+            held
+            for other, held in self._in_flight.items()
+            if (classes[other].rank if other in classes else dropped) <= rank
+        )
 
     def release(self, class_name: str) -> None:
         """Give back a slot taken by :meth:`pop` for ``class_name``."""

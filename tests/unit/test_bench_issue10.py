@@ -336,6 +336,11 @@ def test_long_lane_policy():
     assert adaptive.scheduling is not None and adaptive.scheduling.adaptive()
     assert adaptive.scheduling.concurrency is None
     assert adaptive.scheduling.shed_late is False
+    assert lane.scheduling.slot_sharing == "shared"
+    ranked = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_rank_lane"], sc), "<t>")
+    assert ranked.scheduling is not None and ranked.scheduling.slot_sharing == "by_rank"
+    assert ranked.scheduling.classes == lane.scheduling.classes
+    assert ranked.routing == lane.routing
 
 
 def test_estimates():

@@ -160,3 +160,10 @@ def test_spare_instances_need_a_per_instance_cap() -> None:
         ClassConfig(rank=1, max_per_instance=2, spare_instances=-1)
     lane = ClassConfig(rank=1, max_per_instance=4, spare_instances=2)
     assert [lane.share_limit(100, n) for n in (1, 2, 3, 5)] == [4, 4, 4, 12]
+
+
+def test_slot_sharing_defaults_to_shared_and_refuses_unknown_values() -> None:
+    assert load_scheduling(None).slot_sharing == "shared"
+    assert load_scheduling({"slot_sharing": "by_rank"}).slot_sharing == "by_rank"
+    with pytest.raises(ConfigError, match="slot_sharing"):
+        load_scheduling({"slot_sharing": "per_class"})

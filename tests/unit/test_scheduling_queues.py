@@ -385,3 +385,76 @@ def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() ->
     assert q.pop(1.2, 96, 3) is not None
     q.release("off")
     assert pop_all(1.2) == 0
+
+
+# -- slot_sharing: by_rank -------------------------------------------------------------------
+
+
+def test_shared_slots_make_the_top_class_wait_for_lower_classes() -> None:
+    q = make(THREE)
+    for i in range(4):
+        q.push(f"n{i}", "on", now=0.0)
+    assert drain(q, now=0.0, capacity=4) == ["n0", "n1", "n2", "n3"]
+    q.push("r1", "rt", now=0.1)
+    assert drain(q, now=0.1, capacity=4) == []
+
+
+def test_by_rank_the_top_class_ignores_slots_held_by_lower_classes() -> None:
+    q = make(THREE, slot_sharing="by_rank")
+    for i in range(4):
+        q.push(f"n{i}", "on", now=0.0)
+    assert drain(q, now=0.0, capacity=4) == ["n0", "n1", "n2", "n3"]
+    for i in range(5):
+        q.push(f"r{i}", "rt", now=0.1)
+    # Four real-time requests go at once (online's four do not count against them); the
+    # fifth waits for a real-time slot.
+    assert drain(q, now=0.1, capacity=4) == ["r0", "r1", "r2", "r3"]
+    assert q.in_flight() == 8
+    q.release("on")
+    assert drain(q, now=0.2, capacity=4) == []
+    q.release("rt")
+    assert drain(q, now=0.2, capacity=4) == ["r4"]
+
+
+def test_by_rank_a_lower_class_still_yields_to_every_class_above_it() -> None:
+    q = make(THREE, slot_sharing="by_rank")
+    for i in range(3):
+        q.push(f"r{i}", "rt", now=0.0)
+    assert drain(q, now=0.0, capacity=4) == ["r0", "r1", "r2"]
+    q.push("n1", "on", now=0.1)
+    q.push("n2", "on", now=0.1)
+    q.push("o1", "off", now=0.1)
+    # One slot is left after real-time's three: online takes it, offline (counting both) none.
+    assert drain(q, now=0.1, capacity=4) == ["n1"]
+    q.release("rt")
+    assert drain(q, now=0.2, capacity=4) == ["n2"]
+
+
+def test_by_rank_a_reservation_holds_whatever_the_classes_above_hold() -> None:
+    classes = {**THREE, "off": {"rank": 2, "queue_timeout_s": None, "min_share": 0.25}}
+    q = make(classes, slot_sharing="by_rank")
+    for i in range(8):
+        q.push(f"r{i}", "rt", now=0.0)
+        q.push(f"o{i}", "off", now=0.0)
+    # Real-time takes all 8 slots of its own; offline still gets its floor(0.25 * 8) = 2.
+    out = drain(q, now=0.0, capacity=8)
+    assert Counter(x[0] for x in out) == Counter({"r": 8, "o": 2})
+    q.release("off")
+    assert drain(q, now=0.1, capacity=8) == ["o2"]
+
+
+def test_by_rank_counts_a_dropped_class_as_the_default_class() -> None:
+    q = make(THREE, slot_sharing="by_rank", default_class="on")
+    q.push("x1", "off", now=0.0)
+    q.push("x2", "off", now=0.0)
+    assert drain(q, now=0.0, capacity=2) == ["x1", "x2"]
+    q.reconfigure(
+        load_scheduling(
+            {"classes": {k: v for k, v in THREE.items() if k != "off"}, "default_class": "on"}
+            | {"slot_sharing": "by_rank"}
+        )
+    )
+    q.push("n1", "on", now=0.1)
+    q.push("r1", "rt", now=0.1)
+    # The two dropped offline requests now count as online: online has no slot, real-time has.
+    assert drain(q, now=0.1, capacity=2) == ["r1"]
