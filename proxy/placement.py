@@ -21,6 +21,9 @@ SnapshotSource = Callable[[str], InstanceSnapshot | None]
 
 SlotLimit = Callable[[str, str], int | None]
 """(instance name, model) -> requests of the model the instance may hold, or None (no bound)"""
+ByLevel = Callable[[], bool]
+"""Whether a request counts against an instance's slots only the requests there that Triton
+serves no later than itself (its priority level or a more important one)"""
 
 
 def _no_snapshot(name: str) -> InstanceSnapshot | None:
@@ -29,6 +32,10 @@ def _no_snapshot(name: str) -> InstanceSnapshot | None:
 
 def _no_limit(instance: str, model: str) -> int | None:
     return None
+
+
+def _shared() -> bool:
+    return False
 
 
 class FleetPlacement:
@@ -40,7 +47,11 @@ class FleetPlacement:
     The gate admits no more than the sum of the slots (and cap x instances of a capped
     class), so one has room unless a retry excluded it; then any instance serves rather
     than none. A candidate's *filter level* (``2 * full + at_cap``) encodes both: the kept
-    candidates are those at the lowest level present.
+    candidates are those at the lowest level present. With ``slots_by_level`` (the
+    scheduling section's ``slot_sharing: by_rank``) a request finds a slot free when fewer
+    than the limit of the requests there would be served before it or with it (``ahead`` at
+    its Triton priority level): real-time work does not spill onto a long lane because online
+    work filled the short instance's slots.
     """
 
     def __init__(
@@ -50,12 +61,14 @@ class FleetPlacement:
         placer: Placer,
         snapshots: SnapshotSource = _no_snapshot,
         slot_limit: SlotLimit = _no_limit,
+        slots_by_level: ByLevel = _shared,
     ) -> None:
         self.fleet = fleet
         self.upstreams = upstreams
         self.placer = placer
         self.snapshots = snapshots
         self.slot_limit = slot_limit
+        self._by_level = slots_by_level
 
     @property
     def journal(self) -> ChangeJournal:
@@ -64,6 +77,10 @@ class FleetPlacement:
     @property
     def positions(self) -> Mapping[str, int]:
         return self.fleet.positions
+
+    @property
+    def slots_by_level(self) -> bool:
+        return self._by_level()
 
     def candidate(self, inst: Instance, request: RouteRequest) -> Candidate:
         model = request.model
@@ -83,7 +100,10 @@ class FleetPlacement:
     def level(self, c: Candidate, request: RouteRequest) -> int:
         """``2 * (no free slot) + (the class at its per-instance cap)``."""
         limit = self.slot_limit(c.name, request.model)
-        full = limit is not None and c.model_in_flight >= limit
+        held = c.model_in_flight
+        if c.ahead is not None and self._by_level():
+            held = c.ahead
+        full = limit is not None and held >= limit
         cap = request.class_cap
         return 2 * full + (cap is not None and c.class_in_flight >= cap)
 

@@ -144,7 +144,12 @@ class Runtime:
         )
         self.router = Router(config.routing, clock, rng, observer=self._decided)
         self.placement = FleetPlacement(
-            self.fleet, self.upstreams, self._place, self.scraper.snapshot, self._slot_limit
+            self.fleet,
+            self.upstreams,
+            self._place,
+            self.scraper.snapshot,
+            self._slot_limit,
+            self._slots_by_level,
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -205,6 +210,7 @@ class Runtime:
             self._place_canary,
             self.scraper.snapshot,
             self._canary_slot_limit,
+            self._canary_slots_by_level,
         )
         self._set_canary(config)
 
@@ -339,6 +345,13 @@ class Runtime:
     def _canary_slot_limit(self, instance: str, model: str) -> int | None:
         gates = self.canary_gates or self.gates
         return gates.slot_limit(instance, model) if gates is not None else None
+
+    def _slots_by_level(self) -> bool:
+        return self.gates is not None and self.gates.slots_by_level
+
+    def _canary_slots_by_level(self) -> bool:
+        gates = self.canary_gates or self.gates
+        return gates is not None and gates.slots_by_level
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None

@@ -61,7 +61,7 @@ keeps its state."""
 class Shape:
     """What, in a request, changes the candidates placement builds for it: the model; the
     class and its per-instance cap when it has one (the filter reads the class's count); the
-    priority level when the policy reads ``ahead``. One view per shape."""
+    priority level when the policy or the slot filter reads ``ahead``. One view per shape."""
 
     model: str
     class_name: str | None
@@ -92,6 +92,11 @@ class CandidateSource(Protocol):
     @property
     def positions(self) -> Mapping[str, int]:
         """Every instance's place in policy order."""
+        ...
+
+    @property
+    def slots_by_level(self) -> bool:
+        """The filter counts slots by priority level (the candidates depend on the level)."""
         ...
 
     def build(self, name: str, request: RouteRequest) -> tuple[Candidate, int] | None:

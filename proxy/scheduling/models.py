@@ -130,6 +130,12 @@ class ModelGates:
         """The model's batching facts, once its gate exists."""
         return self._infos.get(model)
 
+    @property
+    def slots_by_level(self) -> bool:
+        """Placement counts against an instance's slots only the requests Triton serves no
+        later than the new one (``slot_sharing: by_rank``)."""
+        return self.config.slot_sharing == "by_rank"
+
     def slot_limit(self, instance: str, model: str) -> int | None:
         """Placement's per-instance bound for ``model``, or None before its gate exists."""
         info = self._infos.get(model)

@@ -52,6 +52,9 @@ class World:
     open: list[contextlib.ExitStack] = field(default_factory=list)
     classes: tuple[str, ...] = ("rt", "batch")
     caps: dict[str, int] = field(default_factory=lambda: {"batch": 1})
+    by_level: bool = False
+    """Slots counted by priority level (``slot_sharing: by_rank``)."""
+    levels: tuple[int | None, ...] = (None, 1, 2)
 
     def slot_limit(self, instance: str, model: str) -> int | None:
         return self.limits.get((instance, model))
@@ -63,6 +66,7 @@ class World:
             lambda request, source, exclude: router.place(request, source, exclude),
             self.snapshots.get,
             self.slot_limit,
+            lambda: self.by_level,
         )
 
     def names(self) -> list[str]:
@@ -133,7 +137,7 @@ class World:
             model=rng.choice(MODELS),
             session_key=rng.choice((None, f"s{rng.randint(0, 30)}")),
             class_name=class_name,
-            level=rng.choice((None, 1, 2)),
+            level=rng.choice(self.levels),
             long=rng.random() < 0.3,
             class_cap=cap,
             batch=rng.choice((1, 4)),
@@ -197,12 +201,17 @@ def compare(
     feedback: bool,
     journal_limit: int | None = None,
     params: dict[str, Any] | None = None,
+    by_level: bool = False,
 ) -> int:
     """Runs both paths side by side; returns how many decisions were compared."""
     compared = 0
     with world(seed, n) as w:
         if journal_limit is not None:
             w.fleet.journal.limit = journal_limit
+        w.by_level = by_level
+        if policy in STATEFUL and by_level:
+            # The level is then part of the shape: a rotation per level, as per class.
+            w.levels = (w.rng.choice(w.levels),)
         if policy in STATEFUL:
             w.classes = (w.rng.choice(w.classes),)
         w.caps["batch"] = w.rng.choice((1, 2))
@@ -234,6 +243,40 @@ def compare(
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_view_decides_as_the_linear_path(policy: str, seed: int) -> None:
     compare(policy, seed, n=12, steps=400, filters=True, feedback=False)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_slots_counted_by_level_decide_as_the_linear_path(policy: str) -> None:
+    compare(policy, 7, n=12, steps=400, filters=True, feedback=False, by_level=True)
+
+
+def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work() -> None:
+    with world(3, 2) as w:
+        router = Router(
+            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
+            w.clock,
+            random.Random(3),
+        )
+        placement = w.placement(router)
+        t0, t1 = w.fleet.get("t0"), w.fleet.get("t1")
+        stack = contextlib.ExitStack()
+        for _ in range(2):  # t0: two requests at level 3 (offline), at its limit of 2
+            stack.enter_context(w.fleet.track(t0, "m", work=Work(class_name="b", level=3)))
+        for _ in range(2):  # t1: three at level 1 (real-time), over its limit
+            stack.enter_context(w.fleet.track(t1, "m", work=Work(class_name="rt", level=1)))
+        stack.enter_context(w.fleet.track(t1, "m", work=Work(class_name="rt", level=1)))
+        w.limits = {("t0", "m"): 2, ("t1", "m"): 2}
+        w.fleet.journal.reset()
+        rt = RouteRequest(model="m", class_name="rt", level=1)
+        off = RouteRequest(model="m", class_name="b", level=3)
+        with stack:
+            # Shared slots: both instances are full, so least_requests takes t0 (2 < 3).
+            assert [c.name for c in placement.filtered(rt)] == ["t0", "t1"]
+            w.by_level = True
+            # By level: t0's offline work does not count against a real-time request...
+            assert [c.name for c in placement.filtered(rt)] == ["t0"]
+            # ...but real-time work counts against an offline one: both full again.
+            assert [c.name for c in placement.filtered(off)] == ["t0", "t1"]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
