@@ -91,6 +91,7 @@ class ProxyServer:
         self._reload_wanted = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._unwatch_gc: Callable[[], None] | None = None
 
     def request_reload(self) -> None:
         """Re-read the policy file soon (SIGHUP handler; safe to call from a signal)."""
@@ -171,6 +172,7 @@ class ProxyServer:
         if self.policy_path is not None:
             self._watch_task = asyncio.create_task(self._watch_policy(), name="policy-watch")
         self._lag_task = asyncio.create_task(self.telemetry.watch_loop_lag(), name="loop-lag")
+        self._unwatch_gc = self.telemetry.watch_gc()
         return self.ports
 
     def _serves_grpc(self) -> bool:
@@ -261,6 +263,9 @@ class ProxyServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._watch_task = self._lag_task = None
+        if self._unwatch_gc is not None:
+            self._unwatch_gc()
+            self._unwatch_gc = None
         rt = self.runtime
         rt.draining = True
         drain_s = self.config.limits.drain_timeout_s

@@ -9,6 +9,8 @@ collector, so it never goes stale in between. Every family is defined in this mo
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -169,6 +171,15 @@ class Telemetry:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "triton_proxy_gc_pause_seconds",
+            "How long each run of Python's cyclic garbage collector stopped the process, by "
+            "generation (2 = a full collection): every request in flight waits that long",
+            ["generation"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self._gc_by = [self.gc_pause.labels(str(g)) for g in range(3)]
         self._fleet_collector: _FleetCollector | None = None
         # Children used on every request, looked up once per label combination.
         self.requests_by = Children(self.requests)
@@ -186,6 +197,21 @@ class Telemetry:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every run of the cyclic collector into ``gc_pause`` until the returned function
+        is called (the hook is process-wide: call it when the server stops)."""
+        started = 0.0
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            nonlocal started
+            if phase == "start":
+                started = time.perf_counter()
+            else:
+                self._gc_by[info["generation"]].observe(time.perf_counter() - started)
+
+        gc.callbacks.append(on_gc)
+        return lambda: gc.callbacks.remove(on_gc)
 
     async def watch_loop_lag(self) -> None:
         """Sample the event loop's lag until cancelled: sleep ``LOOP_LAG_INTERVAL_S`` and
