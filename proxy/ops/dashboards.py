@@ -703,6 +703,24 @@ def routing() -> Dashboard:
                         unit="s",
                         width=12,
                     ),
+                    Panel(
+                        "Garbage-collector pauses P99 by generation (2 = full collection)",
+                        quantiles("triton_proxy_gc_pause_seconds", "generation", (), (0.99,)),
+                        unit="s",
+                        width=12,
+                    ),
+                    Panel(
+                        "Garbage-collector time per second (share of one core)",
+                        (
+                            Target(
+                                f"sum by (generation) "
+                                f"(rate(triton_proxy_gc_pause_seconds_sum[{RATE}]))",
+                                "generation {{generation}}",
+                            ),
+                        ),
+                        unit="percentunit",
+                        width=12,
+                    ),
                 ),
             ),
         ),
