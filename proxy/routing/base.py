@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+from proxy.fleet.snapshot import NO_LOAD, InstanceSnapshot, ModelLoad
 
 if TYPE_CHECKING:
     from proxy.routing.view import ModelView
@@ -50,7 +50,7 @@ class Candidate:
     """Requests of the model and the request's class in flight here."""
 
     def load(self, model: str) -> ModelLoad:
-        return self.snapshot.model(model) if self.snapshot is not None else ModelLoad()
+        return self.snapshot.model(model) if self.snapshot is not None else NO_LOAD
 
     @staticmethod
     def fast(**fields: Any) -> Candidate:
