@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
+from proxy.fleet.snapshot import NO_LOAD, InstanceSnapshot, ModelLoad
 
 if TYPE_CHECKING:
     from proxy.routing.view import ModelView
@@ -50,17 +50,19 @@ class Candidate:
     """Requests of the model and the request's class in flight here."""
 
     def load(self, model: str) -> ModelLoad:
-        return self.snapshot.model(model) if self.snapshot is not None else ModelLoad()
+        return self.snapshot.model(model) if self.snapshot is not None else NO_LOAD
 
     @staticmethod
-    def fast(**fields: Any) -> Candidate:
-        """``Candidate(**fields)`` with every field given, without the frozen ``__init__``:
-        measured 1.1 µs against 3.4 µs (a frozen class's ``__init__`` sets each field through
-        ``object.__setattr__``), paid on every refresh of a routing view."""
+    def fast(fields: dict[str, Any]) -> Candidate:
+        """``Candidate(**fields)`` with every field given, without the frozen ``__init__``,
+        adopting ``fields`` (the caller's own dict display) as the instance's dict: 6,800
+        CPU instructions against 8,200 for the same with keyword arguments and 3.4 µs for
+        ``__init__`` (which sets each field through ``object.__setattr__``); paid on every
+        refresh of a routing view."""
         if len(fields) != _FIELD_COUNT:
             raise TypeError(f"Candidate.fast needs all {_FIELD_COUNT} fields, got {sorted(fields)}")
         c: Candidate = object.__new__(Candidate)
-        c.__dict__.update(fields)
+        object.__setattr__(c, "__dict__", fields)
         return c
 
     def prepared(self, snapshot: InstanceSnapshot | None, stale: bool, weight: float) -> Candidate:

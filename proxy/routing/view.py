@@ -87,7 +87,9 @@ class CandidateSource(Protocol):
     """The fleet's live state, as placement turns it into candidates."""
 
     @property
-    def journal(self) -> ChangeJournal: ...
+    def journal(self) -> ChangeJournal:
+        """The fleet's change journal: one object for the source's life (views keep it)."""
+        ...
 
     @property
     def positions(self) -> Mapping[str, int]:
@@ -99,9 +101,10 @@ class CandidateSource(Protocol):
         """The filter counts slots by priority level (the candidates depend on the level)."""
         ...
 
-    def build(self, name: str, request: RouteRequest) -> tuple[Candidate, int] | None:
-        """``name``'s candidate for requests shaped like ``request`` and its filter level, or
-        None when it takes none (unhealthy, model out or draining there, unknown)."""
+    def builder(self, request: RouteRequest) -> Callable[[str], tuple[Candidate, int] | None]:
+        """A function of an instance's name: its candidate for requests shaped like
+        ``request`` and its filter level, or None when it takes none (unhealthy, model out or
+        draining there, unknown)."""
         ...
 
 
@@ -148,8 +151,10 @@ class ModelView:
 
     def __init__(self, source: CandidateSource, request: RouteRequest, preparer: Preparer) -> None:
         self.source = source
+        self._journal = source.journal
         self.request = request
         """The request that created the view, reduced to its shape (:meth:`Shape.request`)."""
+        self._build = source.builder(request)
         self.model = request.model
         self._prep = preparer
         self.members: dict[str, Member] = {}
@@ -172,14 +177,8 @@ class ModelView:
     # --- keeping up -----------------------------------------------------------------------
     def sync(self, now: float) -> None:
         """Refresh what changed since the last call: journal entries and due timers."""
-        journal = self.source.journal
+        journal = self._journal
         timers = self._timers
-        if (
-            journal.end == self._offset
-            and journal.epoch == self._epoch
-            and not (timers and timers[0][0] <= now)
-        ):
-            return  # nothing changed: the common case between two decisions in one burst
         names = journal.since(self._epoch, self._offset)
         if names is None:
             self._epoch, self._offset = journal.epoch, journal.end
@@ -187,9 +186,13 @@ class ModelView:
             todo = dict.fromkeys(self.source.positions)
             for gone in [n for n in self.members if n not in todo]:
                 self._drop(self.members[gone])
-        else:
-            self._offset = journal.end
+        elif names:
+            self._offset += len(names)
             todo = dict.fromkeys(names, False)
+        elif timers and timers[0][0] <= now:
+            todo = {}
+        else:
+            return  # nothing changed: the common case between two decisions in one burst
         while timers and timers[0][0] <= now:
             due, name = heapq.heappop(timers)
             m = self.members.get(name)
@@ -202,7 +205,7 @@ class ModelView:
     def _refresh(self, name: str, now: float, timed: bool) -> None:
         """Rebuild ``name``'s candidate; ``timed``: a timer fired for it (or a rebuild), so
         the engine's rules must run again even on the same snapshot."""
-        built = self.source.build(name, self.request)
+        built = self._build(name)
         m = self.members.get(name)
         if built is None:
             if m is not None:
@@ -391,10 +394,14 @@ class Ordering:
 
     def change(self, m: Member, old_level: int, old: Candidate) -> None:
         entry = (m.level, *self.key(m.cand), m.pos, m)
-        if entry != self._entries[m.name]:  # e.g. a new snapshot a key does not read
-            self.remove(m)
-            self._entries[m.name] = entry
-            bisect.insort(self.items, entry)
+        entries = self._entries
+        was = entries[m.name]
+        if entry == was:
+            return  # e.g. a new snapshot a key does not read
+        entries[m.name] = entry
+        items = self.items
+        del items[bisect.bisect_left(items, was)]
+        bisect.insort(items, entry)
 
     def pick_min(self, rng: random.Random) -> Candidate:
         """The lowest key of the lowest level; ties uniformly at random, drawn exactly as
