@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 import urllib.request
@@ -25,6 +26,15 @@ from tests.integration.harness import policy_for, running_proxy
 pytestmark = pytest.mark.integration
 
 SHARE = 0.3
+
+
+def write_policy(path: Path, doc: dict[str, Any]) -> None:
+    """Replace the policy file in one step, as an operator's deploy tool would: the proxy's
+    watcher polls it, and a file truncated then written can be read half-written (a reload
+    error, counted; it failed this test's no-error check once in CI)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc))
+    os.replace(tmp, path)
 
 
 def triton_successes(server: TritonServer, model: str) -> int:
@@ -129,7 +139,7 @@ def test_promotion_and_rollback_are_policy_edits_that_drop_nothing(
             "canary": {"share": 0.5, "routing": {"policy": {"name": "round_robin"}}},
         },
     )
-    path.write_text(yaml.safe_dump(doc))
+    write_policy(path, doc)
     stop = threading.Event()
     done: Counter[str] = Counter()
     errors: list[str] = []
@@ -156,21 +166,21 @@ def test_promotion_and_rollback_are_policy_edits_that_drop_nothing(
             # Promotion: the canary's routing becomes the main one, the canary section goes.
             doc["routing"] = doc["canary"]["routing"]
             del doc["canary"]
-            path.write_text(yaml.safe_dump(doc))
+            write_policy(path, doc)
             wait_for(lambda: reloads(proxy, "ok") == 1)
             assert rt.dispatcher.canary is None and rt.router.policy("simple")[0] == "round_robin"
             time.sleep(0.5)
 
             # A new canary with its own classes, then rolled back.
             doc["canary"] = {"share": 0.5, "scheduling": {**SCHEDULING, "concurrency": 1}}
-            path.write_text(yaml.safe_dump(doc))
+            write_policy(path, doc)
             wait_for(lambda: reloads(proxy, "ok") == 2)
             assert rt.canary_gates is not None and rt.gates is not None
             assert (rt.gates.share, rt.canary_gates.share) == (0.5, 0.5)
             time.sleep(0.5)
             served_by_canary = sum(rt.canary_router.stats.decisions.values())
             del doc["canary"]
-            path.write_text(yaml.safe_dump(doc))
+            write_policy(path, doc)
             wait_for(lambda: reloads(proxy, "ok") == 3)
             assert rt.dispatcher.canary is None and rt.gates.share == 1.0
             time.sleep(0.5)
