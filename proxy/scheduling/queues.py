@@ -240,23 +240,20 @@ class ClassQueues(Generic[T]):
             short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
             if short > 0:
                 reserved[name] = short
-        if by_rank:
-            eligible = [
-                name
-                for name, queue in self._queues.items()
-                if queue
-                and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
-                and (name in reserved or self._held_at_or_above(name) < capacity)
-            ]
-        else:
-            total_reserved = sum(reserved.values())
-            eligible = [
-                name
-                for name, queue in self._queues.items()
-                if queue
-                and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
-                and (name in reserved or free > total_reserved)
-            ]
+        total_reserved = sum(reserved.values())
+
+        def has_room(name: str) -> bool:
+            if by_rank:
+                return self._held_at_or_above(name) < capacity
+            return free > total_reserved
+
+        eligible = [
+            name
+            for name, queue in self._queues.items()
+            if queue
+            and self._in_flight.get(name, 0) < self._limit(name, capacity, instances, now)
+            and (name in reserved or has_room(name))
+        ]
         if not eligible:
             return None
         if self._config.dispatch == "weighted_round_robin":
