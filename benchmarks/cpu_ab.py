@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -61,6 +62,9 @@ async def main():
 uvloop.run(main())
 """
 
+# py-spy comes with the dev extras, beside this interpreter
+PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+
 CLASSES = {
     "classes": {"rt": {"rank": 0, "triton_priority": 1}, "bulk": {"rank": 1, "triton_priority": 2}},
     "default_class": "bulk",
@@ -79,9 +83,20 @@ def thread_cpu_s(pid: int) -> float:
 
 
 async def one(
-    tree: Path, http: str, grpc_address: str, protocol: str, classes: bool, seconds: float
+    tree: Path,
+    http: str,
+    grpc_address: str,
+    protocol: str,
+    classes: bool,
+    seconds: float,
+    profile: Path | None = None,
 ) -> tuple[float, float]:
-    """(req/s, CPU ms per request) of one proxy run from ``tree``."""
+    """(req/s, CPU ms per request) of one proxy run from ``tree``.
+
+    With ``profile``, py-spy samples the proxy during the measured window and writes its raw
+    (collapsed) stacks there; py-spy's own reads slow the process, so take CPU figures from a
+    run without it.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         policy = Path(tmp) / "policy.yaml"
         doc: dict[str, object] = {
@@ -121,9 +136,22 @@ async def one(
             request = SimpleRequest(api_key="ab-key" if classes else None)
             async with sender(target, request, 16) as send:
                 await run_closed(send, 16, 1.0, warmup_s=0.0)  # connections, caches
+                spy = None
+                if profile is not None:
+                    spy = subprocess.Popen(
+                        [
+                            *(PY_SPY, "record", "--format", "raw", "--rate", "500"),
+                            *("--nonblocking", "--duration", str(int(seconds))),
+                            *("--pid", str(proc.pid), "--output", str(profile)),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
                 before = thread_cpu_s(proc.pid)
                 lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
                 after = thread_cpu_s(proc.pid)
+                if spy is not None:
+                    spy.wait(30)
             if errors:
                 raise RuntimeError(f"{errors} errors from {tree}: {err}")
             return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
@@ -138,6 +166,7 @@ async def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
+    p.add_argument("--py-spy", metavar="DIR", help="also write py-spy raw stacks of each run here")
     args = p.parse_args()
     trees = [Path(t).resolve() for t in args.trees]
     fake = subprocess.Popen([sys.executable, "-c", FAKE], stdout=subprocess.PIPE, text=True)
@@ -151,7 +180,13 @@ async def main() -> int:
                 protocol, classes = config.split("+")[0], config.endswith("+classes")
                 order = trees[r % len(trees) :] + trees[: r % len(trees)]
                 for tree in order:
-                    rps, cpu = await one(tree, http, grpc_address, protocol, classes, args.seconds)
+                    profile = None
+                    if args.py_spy:
+                        Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+                        profile = Path(args.py_spy) / f"{tree.name}-{config}-r{r + 1}.txt"
+                    rps, cpu = await one(
+                        tree, http, grpc_address, protocol, classes, args.seconds, profile
+                    )
                     results.setdefault((str(tree), config), []).append((rps, cpu))
                     print(f"round {r + 1} {config:<13} {tree}: {rps:6.0f} req/s  {cpu:.3f} ms/req")
         print("\nmedian over rounds: CPU ms per request (req/s at concurrency 16)")

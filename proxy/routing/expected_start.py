@@ -29,6 +29,14 @@ class ExpectedStartParams:
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
     class with ``max_per_instance`` uses that instead (the gate and placement enforce it)."""
 
+    long_to_idle: bool = True
+    """``pack``: a long request of a class without ``max_per_instance`` goes to an instance
+    with nothing of the model in flight when there is one, and joins the lane only when none
+    is idle. In the lane, Triton fills its batch with the lane's queued lower-priority long
+    rows (up to a full 87 ms batch in ``benchmarks/issue10/case.yaml``, after the one
+    running); on an idle instance it starts at once and pads no waiting short request. Under
+    load no instance is idle and the lane takes it as before. False: always the lane."""
+
     def __post_init__(self) -> None:
         if self.long_weight < 0:
             raise ValueError(f"long_weight must be >= 0, got {self.long_weight}")
@@ -44,7 +52,7 @@ class ExpectedStart:
 
         short request:  score = ((ahead + 1) / B + long_weight * min(long_in_flight, 2)) / weight
         long, spread:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
-        long, pack:     key = (full, -class_in_flight, -long_in_flight,
+        long, pack:     key = (full, busy, -class_in_flight, -long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
 
     (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``). ``pack`` fills
@@ -54,7 +62,8 @@ class ExpectedStart:
     ``max_per_instance`` there (placement drops such instances before the policy sees them,
     and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
-    capped class. Short
+    capped class. ``busy`` is 0 on an instance with nothing of the model in flight for a long
+    request of an uncapped class (``long_to_idle``), 1 otherwise. Short
     requests avoid the lane through the ``long_weight`` term, so at light load long work runs
     on one instance and the others serve short batches only (size-interval assignment);
     under load the lane grows one instance at a time.
@@ -96,11 +105,13 @@ class ExpectedStart:
         if request.long and self.params.long_placement == "pack":
             cap = request.class_cap
             depth = self.params.lane_depth or 2 * batch
+            to_idle = not cap and self.params.long_to_idle
 
             def key(c: Candidate) -> tuple[float, ...]:
                 full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth
                 return (
                     float(full),
+                    float(not (to_idle and c.model_in_flight == 0)),
                     -float(c.class_in_flight if cap else 0),
                     -float(c.long_in_flight),
                     float(c.model_in_flight - c.long_in_flight),

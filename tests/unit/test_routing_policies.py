@@ -219,8 +219,14 @@ def test_registry_errors_name_the_path(name: str, params: dict[str, Any], match:
 # --- expected_start ----------------------------------------------------------------------
 
 
-def _es(request: RouteRequest, *cands: Candidate, seed: int = 0, placement: str = "pack") -> str:
-    params = {"long_weight": 3.0, "long_placement": placement}
+def _es(
+    request: RouteRequest,
+    *cands: Candidate,
+    seed: int = 0,
+    placement: str = "pack",
+    to_idle: bool = False,
+) -> str:
+    params = {"long_weight": 3.0, "long_placement": placement, "long_to_idle": to_idle}
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
 
@@ -268,16 +274,37 @@ def test_expected_start_packs_long_requests_into_a_lane() -> None:
     assert _es(long, full, short) == "b"  # rather than go deeper into the full one
 
 
+def test_expected_start_sends_uncapped_long_work_to_an_idle_instance_first() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    short = cand("b", in_flight=1)
+    idle = cand("c", in_flight=0)
+    assert _es(long, short, lane, idle, to_idle=True) == "c"
+    # with no idle instance it joins the lane, as without long_to_idle
+    assert _es(long, short, lane, to_idle=True) == "a"
+    # a capped class keeps to its lane even when an instance is idle
+    capped = dataclasses.replace(long, class_name="offline", class_cap=8)
+    own = dataclasses.replace(lane, class_in_flight=3)
+    assert _es(capped, short, own, idle, to_idle=True) == "a"
+    # the default
+    policy = build_policy("expected_start", {"long_placement": "pack"}, random.Random(0))
+    assert policy.choose([short, lane, idle], long).name == "c"
+
+
 def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=4), long_in_flight=4)
     b = cand("b", in_flight=0)
     policy = build_policy(
-        "expected_start", {"lane_depth": 4, "long_placement": "pack"}, random.Random(0)
+        "expected_start",
+        {"lane_depth": 4, "long_placement": "pack", "long_to_idle": False},
+        random.Random(0),
     )
     assert policy.choose([a, b], long).name == "b"
     policy = build_policy(
-        "expected_start", {"lane_depth": 5, "long_placement": "pack"}, random.Random(0)
+        "expected_start",
+        {"lane_depth": 5, "long_placement": "pack", "long_to_idle": False},
+        random.Random(0),
     )
     assert policy.choose([a, b], long).name == "a"
 

@@ -281,10 +281,15 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
+@pytest.mark.parametrize("to_idle", [False, True])
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
-    seed: int, lane_depth: int | None
+    seed: int, lane_depth: int | None, to_idle: bool
 ) -> None:
-    params: dict[str, Any] = {"long_placement": "pack", "lane_depth": lane_depth}
+    params: dict[str, Any] = {
+        "long_placement": "pack",
+        "lane_depth": lane_depth,
+        "long_to_idle": to_idle,
+    }
     compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 
 
