@@ -29,13 +29,16 @@ class ExpectedStartParams:
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
     class with ``max_per_instance`` uses that instead (the gate and placement enforce it)."""
 
-    long_to_idle: bool = True
+    long_to_idle: bool = False
     """``pack``: a long request of a class without ``max_per_instance`` goes to an instance
     with nothing of the model in flight when there is one, and joins the lane only when none
     is idle. In the lane, Triton fills its batch with the lane's queued lower-priority long
     rows (up to a full 87 ms batch in ``benchmarks/issue10/case.yaml``, after the one
-    running); on an idle instance it starts at once and pads no waiting short request. Under
-    load no instance is idle and the lane takes it as before. False: always the lane."""
+    running); on an idle instance it starts at once. Off by default: in the benchmark
+    (docs/benchmarks.md, issue 10 fifth round, 3 repetitions) it cut online's P99 at half load
+    from 1.86x to 1.55x the best baseline's, but at x1 the long rows it sent to idle
+    instances padded the real-time batches that followed them there: real-time P99 115.6
+    against 83.4 ms, 98.4 % within the SLO against 99.5 %, which loses the goodput."""
 
     def __post_init__(self) -> None:
         if self.long_weight < 0:
