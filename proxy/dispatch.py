@@ -117,6 +117,12 @@ class _Request(Generic[T]):
     stream: bool
     admit: bool
     upstream_cancels: bool
+    holds_on_leave: bool = False
+
+    def runs_to_end(self) -> bool:
+        """Whether the caller's own task may await the sent request to its end: nothing but
+        Triton's answer ends it once sent (see :func:`_once_sent`)."""
+        return self.upstream_cancels or (self.holds_on_leave and self.call.deadline is None)
 
 
 class _Trace:
@@ -211,11 +217,15 @@ class Dispatcher:
         admit: bool = True,
         outcome: Callable[[T], str] = lambda _: "ok",
         upstream_cancels: bool = True,
+        holds_on_leave: bool = False,
     ) -> T:
         """Place and send one request. ``admit=False``: no class gate for the call itself
         (a gRPC stream, whose messages pass the gate one by one through :meth:`admitted`).
         ``upstream_cancels=False``: cancelling ``send`` does not stop the work in Triton (HTTP,
-        server issue #7077), so a sent request keeps its slot and token until Triton answers."""
+        server issue #7077), so a sent request keeps its slot and token until Triton answers.
+        ``holds_on_leave``: the frontend no longer cancels this handler when its client leaves
+        once ``send`` was called (the HTTP server's ``Request.hold_on_leave``), so a sent
+        request without a client deadline can run to its end in the caller's task."""
         arm = self.arm_for(call)
         klass = self.classify(call, arm)
         began = time.perf_counter()
@@ -248,7 +258,9 @@ class Dispatcher:
                         f"inference request for sequence {seq!r} to model '{call.model}' "
                         f"refused by triton-proxy: {problem}",
                     )
-            request = _Request(call, arm, info, klass, send, stream, admit, upstream_cancels)
+            request = _Request(
+                call, arm, info, klass, send, stream, admit, upstream_cancels, holds_on_leave
+            )
             instance, result = await self._serve(request, trace)
             instance_name = instance.name
             result_label = outcome(result)
@@ -301,7 +313,7 @@ class Dispatcher:
         call, admission = r.call, r.arm.admission
         if admission is None or not r.admit or r.info is None:
             sending = self._send(r, None, self._placing(r, None), trace)
-            return await _once_sent(sending, r.upstream_cancels)
+            return await _once_sent(sending, r.runs_to_end())
         queued_at = time.perf_counter()
         # Entered here (a client that leaves while queued leaves the queue at once), left by
         # whoever finishes the send.
@@ -323,7 +335,7 @@ class Dispatcher:
 
         if linger:
             return await deadline.apart(dispatched(), lambda: trace.lingering)
-        return await _once_sent(dispatched(), r.upstream_cancels)
+        return await _once_sent(dispatched(), r.runs_to_end())
 
     async def _linger(self, r: _Request[T], sent_at: float, trace: _Trace) -> None:
         """A gRPC request cancelled in flight leaves Triton's queue, but a batch Triton is
@@ -593,13 +605,20 @@ def _answer(answer: T) -> T:
     return answer
 
 
-async def _once_sent(work: Coroutine[Any, Any, T], upstream_cancels: bool) -> T:
+async def _once_sent(work: Coroutine[Any, Any, T], runs_to_end: bool) -> T:
     """Await a dispatched request. When cancelling cannot stop it upstream (HTTP: Triton does not
     see a closed connection, server issue #7077), it runs to its end even if the client leaves:
     it still takes Triton's time, so its gate slot and in-flight token stay counted until
     Triton answers (measured: releasing them at once let the gate send more work than its
-    limit, and 20 % of Triton's time went to abandoned requests at 2x load)."""
-    if upstream_cancels:
+    limit, and 20 % of Triton's time went to abandoned requests at 2x load).
+
+    ``runs_to_end``: nothing can cancel the caller once the request is sent (the upstream call
+    itself is cancelled with it, or the frontend holds the handler, with no client deadline),
+    so the caller awaits it. Otherwise it runs in a task of its own, which a cancelled caller
+    stops waiting for (measured with ``benchmarks/cpu_ab.py``: that task and its shield were
+    60-80 µs of CPU per HTTP request, 11-12 % of the proxy's cost, so the HTTP frontend holds
+    its handler instead)."""
+    if runs_to_end:
         return await work
     return await deadline.detached(work)
 

@@ -200,6 +200,9 @@ class HttpFrontend:
         stream = route.kind is Kind.GENERATE_STREAM
 
         async def send(instance: Instance, forward: Forward) -> Response | Stream:
+            # Sent, Triton runs it to its end whatever the client does (server issue #7077):
+            # so does the proxy, holding its slot (Dispatcher.run's holds_on_leave).
+            request.hold_on_leave = not stream
             data, hdrs = body, headers
             # Triton's generate extension has no request priority or timeout (such keys there
             # are only custom parameters): its class order is the proxy's queue alone.
@@ -217,10 +220,13 @@ class HttpFrontend:
             call,
             send,
             stream=stream,
-            outcome=lambda r: str(r.status),
+            # A client that left once its request was sent is counted as cancelled, as one that
+            # left before.
+            outcome=lambda r: "cancelled" if request.client_left else str(r.status),
             # Triton's HTTP frontend does not notice a closed connection (#7077): once sent,
             # the request holds its slot and token until Triton answers.
             upstream_cancels=stream,
+            holds_on_leave=not stream,
         )
 
     async def _exchange(

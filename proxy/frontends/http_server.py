@@ -152,8 +152,10 @@ class Request:
         "_conn",
         "_hold",
         "body",
+        "client_left",
         "content_length",
         "headers",
+        "hold_on_leave",
         "keep_alive",
         "method",
         "stream",
@@ -182,6 +184,13 @@ class Request:
         self.body = b""
         self._hold: BodyHold | None = None
         self.stream: Stream | None = None
+        self.hold_on_leave = False
+        """Set by the handler once its work cannot be called back (an inference request sent
+        to Triton, which does not notice a closed connection, server issue #7077): when the
+        client leaves, the handler is no longer cancelled but runs to its end, and its answer
+        goes nowhere. Before that, a client that leaves cancels the handler at once."""
+        self.client_left = False
+        """The client closed the connection while this request was being answered."""
 
     def start_stream(self, status: int, headers: Iterable[tuple[str, str]]) -> Stream:
         """Send the head of a streamed answer; the handler writes it, ends it and returns it."""
@@ -247,6 +256,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._queue: collections.deque[tuple[Request, Response | None]] = collections.deque()
         self._task: asyncio.Task[None] | None = None
+        self._answering: Request | None = None
         self._busy = False
         """A request is being answered (``_task`` runs it)."""
         self._closing = False
@@ -293,8 +303,13 @@ class _Connection(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # the client left: its handler stops (docs/cancellation.md)
+        # The client left: its handler stops (docs/cancellation.md), unless it holds on.
+        answering = self._answering
+        if answering is not None:
+            answering.client_left = True
+        held = answering is not None and answering.hold_on_leave
+        if self._task is not None and not self._task.done() and not held:
+            self._task.cancel()
         self._drop_queue()
         if self._request is not None:
             self._request._release()
@@ -500,6 +515,7 @@ class _Connection(asyncio.Protocol):
         if self._queue:
             self._busy = True
             request, ready = self._queue.popleft()
+            self._answering = request
             self._task = self._loop.create_task(self._answer(request, ready))
             if self._read_paused and len(self._queue) <= MAX_PIPELINED // 2:
                 self._read_paused = False
@@ -508,6 +524,7 @@ class _Connection(asyncio.Protocol):
             return
         self._busy = False
         self._task = None
+        self._answering = None
         self._last_seen = self._loop.time()  # idle from now on
         transport = self._transport
         if transport is None or transport.is_closing():

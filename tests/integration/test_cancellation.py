@@ -110,11 +110,20 @@ async def running_in_triton(p: ProxyThread, count: int = 1) -> None:
 
 
 def proxy_results(p: ProxyThread, result: str) -> float:
-    value = p.runtime.telemetry.registry.get_sample_value(
-        "triton_proxy_requests_total",
-        {"model": MODEL, "class": "default", "instance": "-", "outcome": result, "arm": "main"},
-    )
-    return value or 0.0
+    """Requests of the model that ended with ``result``, on any instance or none ("-")."""
+    total = 0.0
+    for family in p.runtime.telemetry.registry.collect():
+        for sample in family.samples:
+            labels = sample.labels
+            if (
+                sample.name == "triton_proxy_requests_total"
+                and labels.get("model") == MODEL
+                and labels.get("class") == "default"
+                and labels.get("outcome") == result
+                and labels.get("arm") == "main"
+            ):
+                total += sample.value
+    return total
 
 
 @pytest.fixture
@@ -171,9 +180,10 @@ async def test_grpc_deadline_while_running_reaches_triton(server: TritonServer) 
 async def test_http_disconnect_while_running_stops_the_proxy_not_triton(
     server: TritonServer,
 ) -> None:
-    """The proxy notices and drops its upstream request; Triton's HTTP frontend does not notice
-    a closed connection (server issue #7077), so the work runs to its end there. The remedy for
-    what waits in Triton's queue is the handed-on ``timeout`` (next tests)."""
+    """The proxy notices and counts the request as cancelled; Triton's HTTP frontend does not
+    notice a closed connection (server issue #7077), so the work runs to its end there, and the
+    proxy holds its slot and token until then. The remedy for what waits in Triton's queue is
+    the handed-on ``timeout`` (next tests)."""
     before = await asyncio.to_thread(read_counters, server)
     with running_proxy([server]) as p:
         async with aiohttp.ClientSession() as session:
@@ -182,7 +192,7 @@ async def test_http_disconnect_while_running_stops_the_proxy_not_triton(
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        # The proxy's handler was cancelled (not answered) and released its token.
+        # The proxy counts the request as cancelled, and holds its token until Triton is done.
         await until(lambda: p.runtime.fleet.total_in_flight() == 0)
         assert proxy_results(p, "cancelled") == 1
         after = await asyncio.to_thread(read_counters, server)

@@ -45,6 +45,7 @@ class Hold:
 class EchoApp:
     holds: list[Hold] = field(default_factory=list)
     cancelled: int = 0
+    finished: list[Request] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     go_on: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -55,12 +56,14 @@ class EchoApp:
 
     async def handle(self, request: Request) -> Response | Stream:
         if request.target.startswith("/wait"):
+            request.hold_on_leave = request.target == "/wait-held"
             self.started.set()
             try:
                 await self.go_on.wait()
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+            self.finished.append(request)
         if request.target == "/refuse":
             raise ProxyError(Code.UNAVAILABLE, "not now", retry_after_s=2.0)
         if request.target == "/stream":
@@ -341,6 +344,27 @@ async def test_client_disconnect_cancels_the_handler_and_releases_the_body() -> 
                 break
             await asyncio.sleep(0.01)
         assert app.cancelled == 1
+        assert app.all_released()
+
+
+async def test_a_held_handler_runs_to_its_end_when_the_client_leaves() -> None:
+    async with serving() as (server, app):
+        async with connection(server) as (_, writer):
+            writer.write(request("POST", "/wait-held", b"payload"))
+            await app.started.wait()
+        await asyncio.sleep(0.1)  # the server has seen the connection close
+        assert app.cancelled == 0
+        assert not app.all_released()  # the handler still holds its body
+        app.go_on.set()
+        for _ in range(100):
+            if app.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.client_left for r in app.finished] == [True]
+        for _ in range(100):
+            if app.all_released():
+                break
+            await asyncio.sleep(0.01)
         assert app.all_released()
 
 
