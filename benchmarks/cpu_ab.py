@@ -8,7 +8,9 @@ process), drives it closed-loop at concurrency 16 for ``--seconds`` over HTTP or
 without classes, and reads the CPU time of every thread of the proxy process from ``/proc``.
 The fake server's answer costs nothing to compute, so the figure is the proxy's own cost per
 request; alternating the checkouts round by round spreads a noisy machine's drift over all of
-them. Prints the median over rounds per (checkout, protocol, classes).
+them. Prints the median over rounds per (checkout, protocol, classes). ``--floor`` also measures a
+bare byte pipe in Python (``PIPE``) in front of the same fake server: the floor of any proxy
+written like this one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,34 @@ async def main():
     runner = web.AppRunner(app, access_log=None); await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     print(runner.addresses[0][1], gport, flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+# The floor: a byte pipe in Python (uvloop), one upstream connection per client connection,
+# no parsing, no routing. What a proxy in this language cannot go below per request.
+PIPE = """
+import asyncio, sys, uvloop
+UP = int(sys.argv[1])
+class Up(asyncio.Protocol):
+    def __init__(self, down): self.down = down
+    def data_received(self, data): self.down.write(data)
+    def connection_lost(self, exc): self.down.close()
+class Down(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.up = transport, None
+        transport.pause_reading()
+        asyncio.ensure_future(self.connect())
+    async def connect(self):
+        loop = asyncio.get_running_loop()
+        self.up, _ = await loop.create_connection(lambda: Up(self.transport), "127.0.0.1", UP)
+        self.transport.resume_reading()
+    def data_received(self, data): self.up.write(data)
+    def connection_lost(self, exc):
+        if self.up: self.up.close()
+async def main():
+    server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
     await asyncio.Event().wait()
 uvloop.run(main())
 """
@@ -160,12 +190,37 @@ async def one(
             proc.wait(30)
 
 
+async def floor(http_port: str, seconds: float) -> tuple[float, float]:
+    """(req/s, CPU ms per request) of the byte pipe (``PIPE``) over HTTP."""
+    pipe = subprocess.Popen(
+        [sys.executable, "-c", PIPE, http_port], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert pipe.stdout is not None
+        port = pipe.stdout.readline().strip()
+        target = ClosedTarget("http", (f"http://127.0.0.1:{port}",))
+        async with sender(target, SimpleRequest(api_key=None), 16) as send:
+            await run_closed(send, 16, 1.0, warmup_s=0.0)
+            before = thread_cpu_s(pipe.pid)
+            lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
+            after = thread_cpu_s(pipe.pid)
+        if errors:
+            raise RuntimeError(f"{errors} errors through the pipe: {err}")
+        return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
+    finally:
+        pipe.kill()
+        pipe.wait()
+
+
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("trees", nargs="+", help="checkouts to compare (the proxy package's root)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
+    p.add_argument(
+        "--floor", action="store_true", help="also measure a bare byte pipe (HTTP) each round"
+    )
     p.add_argument("--py-spy", metavar="DIR", help="also write py-spy raw stacks of each run here")
     args = p.parse_args()
     trees = [Path(t).resolve() for t in args.trees]
@@ -175,7 +230,14 @@ async def main() -> int:
         http_port, grpc_port = fake.stdout.readline().split()
         http, grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        floors: list[tuple[float, float]] = []
         for r in range(args.rounds):
+            if args.floor:
+                floors.append(await floor(http_port, args.seconds))
+                print(
+                    f"round {r + 1} floor: byte pipe: {floors[-1][0]:6.0f} req/s  "
+                    f"{floors[-1][1]:.3f} ms/req"
+                )
             for config in args.configs.split(","):
                 protocol, classes = config.split("+")[0], config.endswith("+classes")
                 order = trees[r % len(trees) :] + trees[: r % len(trees)]
@@ -198,6 +260,10 @@ async def main() -> int:
                 rps = statistics.median(x for x, _ in runs)
                 cells.append(f"{tree.name}: {cpu:.3f} ({rps:.0f})")
             print(f"  {config:<13} " + "   ".join(cells))
+        if floors:
+            cpu = statistics.median(c for _, c in floors)
+            rps = statistics.median(x for x, _ in floors)
+            print(f"  byte pipe     {cpu:.3f} ({rps:.0f})")
     finally:
         fake.kill()
         fake.wait()
