@@ -42,6 +42,10 @@ def _shared() -> bool:
     return False
 
 
+def _ignore(name: str) -> None:
+    return None
+
+
 class FleetPlacement:
     """The candidate source of routing (``proxy.routing.view.CandidateSource``) over the
     fleet's live state, and the per-request filters placement applies.
@@ -66,8 +70,11 @@ class FleetPlacement:
         snapshots: SnapshotSource = _no_snapshot,
         slot_limit: SlotLimit = _no_limit,
         slots_by_level: ByLevel = _shared,
+        on_wake: Callable[[str], None] = _ignore,
     ) -> None:
         self.fleet = fleet
+        self.on_wake = on_wake
+        """Told the name of each quiet instance a request was sent to (proxy.routing.wake)."""
         self.upstreams = upstreams
         self.placer = placer
         self.snapshots = snapshots
@@ -159,4 +166,27 @@ class FleetPlacement:
 
     def pick(self, request: RouteRequest, exclude: frozenset[str]) -> Instance | None:
         chosen = self.placer(request, self, exclude)
-        return None if chosen is None else self.fleet.get(chosen.name)
+        if chosen is None:
+            return None
+        if self.fleet.quiet and not request.long and request.session_key is None:
+            woken = self._wake(request, exclude, chosen.name)
+            if woken is not None:
+                return woken
+        return self.fleet.get(chosen.name)
+
+    def _wake(self, request: RouteRequest, exclude: frozenset[str], chosen: str) -> Instance | None:
+        """A quiet instance of the model with a free slot under the class's cap, instead of
+        the policy's choice (``proxy.routing.wake``), or None."""
+        quiet = self.fleet.quiet.get(request.model)
+        if not quiet or chosen in quiet:
+            return None
+        build = self.builder(request)
+        for name in sorted(quiet):
+            if name in exclude:
+                continue
+            built = build(name)
+            if built is not None and built[1] == 0:
+                quiet.discard(name)
+                self.on_wake(name)
+                return self.fleet.get(name)
+        return None

@@ -34,6 +34,7 @@ from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
+from proxy.routing.wake import quiet_instances
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.models import FanOutObserver, ModelGates
@@ -132,6 +133,7 @@ class Runtime:
             )
         self.scraper.on_change = self.fleet.touch
         self._publisher: asyncio.Task[None] | None = None
+        self._waker: asyncio.Task[None] | None = None
         # The leader worker shares its drain marks and class factors (proxy.workers).
         self._followers: FollowerReports | None = None
         if role is not None and role.leader and role.count > 1:
@@ -150,6 +152,7 @@ class Runtime:
             self.scraper.snapshot,
             self._slot_limit,
             self._slots_by_level,
+            self._woke,
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -211,6 +214,7 @@ class Runtime:
             self.scraper.snapshot,
             self._canary_slot_limit,
             self._canary_slots_by_level,
+            self._woke,
         )
         self._set_canary(config)
 
@@ -233,6 +237,30 @@ class Runtime:
         # the main router.
         router = self.canary_router
         return (router or self.router).place(request, source, exclude)
+
+    def _woke(self, instance: str) -> None:
+        self.telemetry.wakes.labels(instance).inc()
+
+    def _quiet_after(self, model: str) -> float | None:
+        """How long ``model`` may go without a send to an instance running it before that
+        instance is quiet (proxy.routing.wake); None: not judged (batch time unknown)."""
+        info = self.catalog.cached(model)
+        batch = info.max_batch_size if info is not None else 1
+        return self.config.routing.wake.quiet_after_s(
+            self.dispatcher.costs.batch_seconds(model, batch)
+        )
+
+    async def _find_quiet(self) -> None:
+        """Every ``routing.wake.scan_ms``: which instances are quiet (proxy.routing.wake)."""
+        while True:
+            wake = self.config.routing.wake  # read per tick: a reload may change it
+            await asyncio.sleep(wake.scan_ms / 1e3)
+            if wake.enabled:
+                self.fleet.quiet = quiet_instances(
+                    self.fleet.instances.values(), self.clock.now(), self._quiet_after
+                )
+            elif self.fleet.quiet:
+                self.fleet.quiet = {}
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)
@@ -421,6 +449,7 @@ class Runtime:
         await self.scraper.start()
         if self.role is not None and self.role.leader:
             self._publisher = asyncio.create_task(self._publish(), name="fleet-state-publisher")
+        self._waker = asyncio.create_task(self._find_quiet(), name="quiet-instances")
         await self.leadership.start()
         await self.control.start()
 
@@ -448,11 +477,12 @@ class Runtime:
     async def stop(self) -> None:
         await self.control.stop()
         await self.leadership.stop()
-        if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
-            self._publisher = None
+        for task in (self._publisher, self._waker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._publisher = self._waker = None
         for gates in (self.gates, self.canary_gates):
             if gates is not None:
                 gates.close()

@@ -117,6 +117,13 @@ class Telemetry:
         self.retries = Counter(
             "triton_proxy_retries", "Requests re-sent to another instance", registry=r
         )
+        self.wakes = Counter(
+            "triton_proxy_quiet_wakes",
+            "Requests sent to a quiet instance instead of the policy's choice, to wake Triton's "
+            "batcher for the requests it left queued there (proxy.routing.wake), by instance",
+            ["instance"],
+            registry=r,
+        )
         self.ejections = Counter(
             "triton_proxy_ejections",
             "Instances taken out of rotation (failed probe or connection), by instance",

@@ -182,6 +182,8 @@ class Instance:
     """Requests in flight by (model, class)."""
     level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
     """Requests in flight by (model, Triton priority level); level 0 = the model's default."""
+    last_sent: dict[str, float] = field(default_factory=dict)
+    """Clock time this proxy last sent a request of each model here (proxy.routing.wake)."""
 
     def ahead_of(self, model: str, level: int | None) -> int:
         """Requests of ``model`` in flight here that Triton serves no later than one at
@@ -218,6 +220,9 @@ class Fleet:
         """Called when an instance leaves or rejoins rotation."""
         self.journal = ChangeJournal()
         """Every change placement reads, by instance name (see :class:`ChangeJournal`)."""
+        self.quiet: dict[str, set[str]] = {}
+        """model -> instances quiet for it (``proxy.routing.wake``; found by a periodic scan,
+        left by the next send there)."""
         self.positions: dict[str, int] = {}
         """Instance name -> its place in policy order (ties between instances go by it)."""
         self._adopted()
@@ -281,6 +286,10 @@ class Fleet:
             counter[key] += 1
         if stream:
             instance.streams += 1
+        instance.last_sent[model] = self.clock.now()
+        quiet = self.quiet.get(model)
+        if quiet:
+            quiet.discard(instance.name)
         journal = self.journal
         journal.append(instance.name)
         try:

@@ -11,6 +11,7 @@ from proxy import strict
 from proxy.routing.feedback import FeedbackParams
 from proxy.routing.registry import build_policy
 from proxy.routing.retry import RetryParams
+from proxy.routing.wake import WakeParams
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class RoutingConfig:
     """Multiplies ``Candidate.weight`` of an instance with a stale snapshot."""
     feedback: FeedbackParams = field(default_factory=FeedbackParams)
     retry: RetryParams = field(default_factory=RetryParams)
+    wake: WakeParams = field(default_factory=WakeParams)
+    """Send the next short request to an instance whose queued requests Triton may have left
+    waiting (``proxy.routing.wake``)."""
 
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0:

@@ -1,0 +1,72 @@
+"""Waking quiet instances: Triton's dynamic batcher can leave a queued request waiting until
+another request for the model arrives.
+
+Measured on Triton 2.51 without the proxy (``benchmarks/triton_quiet_stall.py``): a request
+that reaches the queue while the model instance is busy sometimes waits for the batcher
+thread's 500 ms sleep (``default_wait_microseconds`` in ``dynamic_batch_scheduler.cc``),
+unless any new request for the model arrives, which wakes the thread (5 of 40 trials stalled
+510-514 ms; none with a request 50 ms later). Round robin feeds every instance, so the next
+arrival frees such a request at once; load-aware placement stops sending to an instance whose
+requests look slow and so keeps them stuck (issue 10: the proxy arms' real-time P99.9 of
+0.2-0.5 s at light load, docs/benchmarks.md, fifth round).
+
+The remedy: an instance with requests of a model in flight, none of them long, and nothing of
+that model sent to it for longer than ``margin`` times the model's learned full-batch time
+(never less than ``min_quiet_ms``) is *quiet*; the next short request of the model without a
+session key goes there instead of where the policy chose, if the instance has a free slot.
+Its arrival wakes the batcher, and it joins work that should have finished long ago. A model
+whose batch time is not learned yet is never judged quiet (an instance legitimately running a
+long batch must not be sent short work). A periodic scan finds quiet instances
+(:func:`quiet_instances`), so the request path only looks up a usually empty set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.fleet.instances import Instance
+
+
+@dataclass(frozen=True)
+class WakeParams:
+    enabled: bool = True
+    margin: float = 4.0
+    """An instance is quiet after this many of the model's full-batch times without a send."""
+    min_quiet_ms: float = 20.0
+    """...and never before this."""
+    scan_ms: float = 20.0
+    """How often the proxy looks for quiet instances."""
+
+    def __post_init__(self) -> None:
+        if self.margin < 1.0:
+            raise ValueError(f"margin must be >= 1, got {self.margin}")
+        if self.min_quiet_ms <= 0 or self.scan_ms <= 0:
+            raise ValueError("min_quiet_ms and scan_ms must be > 0")
+
+    def quiet_after_s(self, batch_s: float | None) -> float | None:
+        """How long a model whose full batch takes ``batch_s`` (None: unknown) must go
+        without a send before an instance running it is quiet (None: never)."""
+        if batch_s is None:
+            return None
+        return max(self.min_quiet_ms / 1e3, self.margin * batch_s)
+
+
+def quiet_instances(
+    instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
+) -> dict[str, set[str]]:
+    """model -> names of the healthy instances that are quiet for it at clock time ``now``."""
+    quiet: dict[str, set[str]] = {}
+    for inst in instances:
+        if not inst.healthy:
+            continue
+        for model, n in inst.model_in_flight.items():
+            if n <= 0 or inst.long_in_flight.get(model):
+                continue
+            after = quiet_after_s(model)
+            sent = inst.last_sent.get(model)
+            if after is not None and sent is not None and now - sent >= after:
+                quiet.setdefault(model, set()).add(inst.spec.name)
+    return quiet

@@ -1,0 +1,106 @@
+"""Waking quiet instances (proxy.routing.wake): the scan, and placement's override."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+
+from proxy.fleet.instances import Work
+from proxy.routing.base import RouteRequest
+from proxy.routing.config import PolicySpec, RoutingConfig
+from proxy.routing.engine import Router
+from proxy.routing.wake import WakeParams, quiet_instances
+from tests.unit.test_routing_view import world
+
+BATCH_S = 0.010
+WAKE = WakeParams()
+
+
+def after(model: str) -> float | None:
+    return WAKE.quiet_after_s(BATCH_S) if model == "m" else None
+
+
+def test_quiet_after_is_a_margin_over_the_batch_time_and_never_unknown() -> None:
+    assert WAKE.quiet_after_s(None) is None  # not learned yet: never judged quiet
+    assert WAKE.quiet_after_s(0.010) == pytest.approx(0.040)
+    assert WAKE.quiet_after_s(0.001) == pytest.approx(0.020)  # the floor
+    with pytest.raises(ValueError, match="margin"):
+        WakeParams(margin=0.5)
+
+
+def test_an_instance_is_quiet_when_nothing_was_sent_to_it_for_longer_than_its_batches() -> None:
+    with world(1, 3) as w:
+        t0, t1, t2 = (w.fleet.get(n) for n in ("t0", "t1", "t2"))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(w.fleet.track(t0, "m"))  # short work, sent at 0
+            stack.enter_context(w.fleet.track(t1, "m", work=Work(long=True)))  # long work
+            stack.enter_context(w.fleet.track(t2, "other"))  # a model with no batch time
+            now = w.clock.now()
+            assert quiet_instances(w.fleet.instances.values(), now + 0.039, after) == {}
+            # t0 only: long work may legitimately run that long; "other" is not learned
+            assert quiet_instances(w.fleet.instances.values(), now + 0.041, after) == {"m": {"t0"}}
+        # nothing in flight: never quiet, however long ago the last send was
+        assert quiet_instances(w.fleet.instances.values(), now + 10, after) == {}
+        with w.fleet.track(t0, "m"):
+            w.fleet.eject(t0, "down")  # out of rotation: not quiet either
+            assert quiet_instances(w.fleet.instances.values(), now + 10, after) == {}
+
+
+def test_the_next_short_request_goes_to_a_quiet_instance_and_wakes_it_once() -> None:
+    with world(2, 3) as w:
+        router = Router(
+            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
+            w.clock,
+            random.Random(2),
+        )
+        woken: list[str] = []
+        placement = w.placement(router)
+        placement.on_wake = woken.append
+        t0 = w.fleet.get("t0")
+        with w.fleet.track(t0, "m"), w.fleet.track(t0, "m"):
+            w.clock.advance(1.0)
+            w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
+            short = RouteRequest(model="m", batch=16)
+            # least_requests alone would avoid t0 (two in flight)
+            chosen = placement.placer(short, placement, frozenset())
+            assert chosen is not None and chosen.name != "t0"
+            # not for long work, nor for a request with a session key
+            assert placement.pick(RouteRequest(model="m", long=True), frozenset()).name != "t0"
+            keyed = RouteRequest(model="m", session_key="s")
+            assert placement.pick(keyed, frozenset()).name != "t0"
+            # nor where a retry excluded it
+            assert placement.pick(short, frozenset({"t0"})).name != "t0"
+            assert placement.pick(short, frozenset()).name == "t0"
+            assert woken == ["t0"]
+            # once: the next one goes where the policy says
+            assert placement.pick(short, frozenset()).name != "t0"
+
+
+def test_a_quiet_instance_without_a_free_slot_is_not_sent_more() -> None:
+    with world(3, 2) as w:
+        router = Router(
+            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
+            w.clock,
+            random.Random(3),
+        )
+        placement = w.placement(router)
+        t0 = w.fleet.get("t0")
+        w.limits = {("t0", "m"): 2}
+        with w.fleet.track(t0, "m"), w.fleet.track(t0, "m"):
+            w.clock.advance(1.0)
+            w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
+            assert w.fleet.quiet == {"m": {"t0"}}
+            assert placement.pick(RouteRequest(model="m"), frozenset()).name == "t1"
+
+
+def test_a_send_there_ends_the_quiet() -> None:
+    with world(4, 2) as w:
+        t0 = w.fleet.get("t0")
+        with w.fleet.track(t0, "m"):
+            w.clock.advance(1.0)
+            w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
+            assert w.fleet.quiet == {"m": {"t0"}}
+            with w.fleet.track(t0, "m"):
+                assert w.fleet.quiet == {"m": set()}
