@@ -35,8 +35,10 @@ class WakeParams:
     enabled: bool = True
     margin: float = 4.0
     """An instance is quiet after this many of the model's full-batch times without a send."""
-    min_quiet_ms: float = 20.0
-    """...and never before this."""
+    min_quiet_ms: float = 100.0
+    """...and never before this. At 20 ms the wake cut the real-time P99.9 at x0.25 from 512 to
+    136 ms, but at x1 it also sent real-time work to lane instances between two offline
+    batches (real-time P99 133 against 96 ms; docs/benchmarks.md, issue 10, fifth round)."""
     scan_ms: float = 20.0
     """How often the proxy looks for quiet instances."""
 
