@@ -155,6 +155,16 @@ class World:
             self.open.pop().close()
 
 
+def least_requests_placement(w: World, seed: int) -> FleetPlacement:
+    """``w``'s placement in front of a ``least_requests`` router."""
+    router = Router(
+        RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
+        w.clock,
+        random.Random(seed),
+    )
+    return w.placement(router)
+
+
 @contextlib.contextmanager
 def world(seed: int, n: int) -> Iterator[World]:
     clock = FakeClock(1000.0)
@@ -252,12 +262,7 @@ def test_slots_counted_by_level_decide_as_the_linear_path(policy: str) -> None:
 
 def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work() -> None:
     with world(3, 2) as w:
-        router = Router(
-            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
-            w.clock,
-            random.Random(3),
-        )
-        placement = w.placement(router)
+        placement = least_requests_placement(w, 3)
         t0, t1 = w.fleet.get("t0"), w.fleet.get("t1")
         stack = contextlib.ExitStack()
         for _ in range(2):  # t0: two requests at level 3 (offline), at its limit of 2

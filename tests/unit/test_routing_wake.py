@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import random
 
 import pytest
 
 from proxy.fleet.instances import Work
 from proxy.routing.base import RouteRequest
-from proxy.routing.config import PolicySpec, RoutingConfig
-from proxy.routing.engine import Router
 from proxy.routing.wake import WakeParams, quiet_instances
-from tests.unit.test_routing_view import world
+from tests.unit.test_routing_view import least_requests_placement, world
 
 BATCH_S = 0.010
 WAKE = WakeParams()
@@ -50,13 +47,8 @@ def test_an_instance_is_quiet_when_nothing_was_sent_to_it_for_longer_than_its_ba
 
 def test_the_next_short_request_goes_to_a_quiet_instance_and_wakes_it_once() -> None:
     with world(2, 3) as w:
-        router = Router(
-            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
-            w.clock,
-            random.Random(2),
-        )
         woken: list[str] = []
-        placement = w.placement(router)
+        placement = least_requests_placement(w, 2)
         placement.on_wake = woken.append
         t0 = w.fleet.get("t0")
         with w.fleet.track(t0, "m"), w.fleet.track(t0, "m"):
@@ -80,12 +72,7 @@ def test_the_next_short_request_goes_to_a_quiet_instance_and_wakes_it_once() -> 
 
 def test_a_quiet_instance_without_a_free_slot_is_not_sent_more() -> None:
     with world(3, 2) as w:
-        router = Router(
-            RoutingConfig(policy=PolicySpec(name="least_requests", params={})),
-            w.clock,
-            random.Random(3),
-        )
-        placement = w.placement(router)
+        placement = least_requests_placement(w, 3)
         t0 = w.fleet.get("t0")
         w.limits = {("t0", "m"): 2}
         with w.fleet.track(t0, "m"), w.fleet.track(t0, "m"):
