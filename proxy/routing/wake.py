@@ -59,15 +59,20 @@ class WakeParams:
 def quiet_instances(
     instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
 ) -> dict[str, set[str]]:
-    """model -> names of the healthy instances that are quiet for it at clock time ``now``."""
+    """model -> names of the healthy instances that are quiet for it at clock time ``now``
+    (``quiet_after_s`` is asked once per model per scan, not once per instance)."""
     quiet: dict[str, set[str]] = {}
+    afters: dict[str, float | None] = {}
     for inst in instances:
         if not inst.healthy:
             continue
         for model, n in inst.model_in_flight.items():
             if n <= 0 or inst.long_in_flight.get(model):
                 continue
-            after = quiet_after_s(model)
+            if model in afters:
+                after = afters[model]
+            else:
+                after = afters[model] = quiet_after_s(model)
             sent = inst.last_sent.get(model)
             if after is not None and sent is not None and now - sent >= after:
                 quiet.setdefault(model, set()).add(inst.spec.name)
