@@ -16,6 +16,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from proxy.aio import cancel_and_wait
 from proxy.clock import Clock, MonotonicClock
 from proxy.config import ProxyConfig, load_file
 from proxy.frontends import admin_relay
@@ -257,11 +258,7 @@ class ProxyServer:
         ``limits.drain_timeout_s`` to finish; requests still queued at the deadline get 503 /
         UNAVAILABLE, and the in-flight ones left are cancelled.
         """
-        for task in (self._watch_task, self._lag_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._watch_task, self._lag_task)
         self._watch_task = self._lag_task = None
         if self._unwatch_gc is not None:
             self._unwatch_gc()

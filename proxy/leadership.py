@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
+from proxy.aio import cancel_and_wait
 from proxy.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -225,11 +226,8 @@ class LeaseElection:
         self._task = asyncio.create_task(self._run(), name="leader-election")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await asyncio.to_thread(self.release)
 
 

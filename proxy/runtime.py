@@ -7,11 +7,11 @@ running one's fleet state where instances are unchanged, then swaps one referenc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Callable, Mapping
 
+from proxy.aio import cancel_and_wait
 from proxy.budget import ByteBudget
 from proxy.canary import CANARY, MAIN, Splitter
 from proxy.clock import Clock
@@ -477,11 +477,7 @@ class Runtime:
     async def stop(self) -> None:
         await self.control.stop()
         await self.leadership.stop()
-        for task in (self._publisher, self._waker):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._publisher, self._waker)
         self._publisher = self._waker = None
         for gates in (self.gates, self.canary_gates):
             if gates is not None:

@@ -21,12 +21,12 @@ Only the leader runs the loops (``is_leader``, injected; every process but one s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.aio import cancel_and_wait
 from proxy.clock import Clock
 from proxy.control.apply import WindowApplier
 from proxy.control.batching import BatchingController, BatchingSample, ClassP99
@@ -203,12 +203,7 @@ class ControlLoops:
         self._task = asyncio.create_task(self._run(), name="control-loops")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._applying.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._task, *self._applying.values())
         self._task = None
         self._applying.clear()
 

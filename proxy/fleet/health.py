@@ -4,12 +4,12 @@ models taken out of rotation on one instance (``/v2/models/NAME/ready``) with ba
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from urllib.parse import quote
 
 import aiohttp
 
+from proxy.aio import cancel_and_wait
 from proxy.fleet.instances import Fleet, Instance
 
 log = logging.getLogger(__name__)
@@ -107,11 +107,8 @@ class HealthChecker:
         self._task = asyncio.create_task(self._run(), name="health-checker")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._probe_session is not None:
             await self._probe_session.close()
             self._probe_session = None

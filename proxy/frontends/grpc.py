@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
+from proxy.aio import cancel_and_wait
 from proxy.dispatch import ModelAbsentError, says_model_absent
 from proxy.errors import Code, ProxyError
 from proxy.fleet.grpc_upstream import Metadata, upstream_error
@@ -332,9 +333,7 @@ class GrpcFrontend:
                     raise sender.exception() from None  # type: ignore[misc]
                 raise
             finally:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sender
+                await cancel_and_wait(sender)
         finally:
             upstream.cancel()
             await slots.close()
