@@ -130,10 +130,17 @@ def triton_style(o: Outcome) -> bool:
 
 
 def decisions_for(proxy: ProxyThread, name: str) -> int:
+    """Requests placed on instance ``name``: the router's choices, and the requests sent there
+    instead to wake a quiet instance (routing.wake: a stopped instance looks quiet until the
+    health checker ejects it)."""
     stats = proxy.runtime.router.stats.decisions
-    return sum(
+    chosen = sum(
         n for (model, _, inst), n in list(stats.items()) if inst == name and model == "simple"
     )
+    woken = proxy.runtime.telemetry.registry.get_sample_value(
+        "triton_proxy_quiet_wakes_total", {"instance": name}
+    )
+    return chosen + int(woken or 0)
 
 
 def ok_answers(proxy: ProxyThread, name: str) -> float:
