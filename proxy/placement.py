@@ -187,6 +187,8 @@ class FleetPlacement:
             built = build(name)
             if built is not None and built[1] == 0:
                 quiet.discard(name)
+                woken = self.fleet.get(name)
+                woken.woken_at = self.fleet.clock.now()
                 self.on_wake(name)
-                return self.fleet.get(name)
+                return woken
         return None

@@ -103,7 +103,9 @@ class Telemetry:
         )
         self.decisions = Counter(
             "triton_proxy_routing_decisions",
-            "Routing decisions, by model, policy, chosen instance and arm",
+            "Routing decisions, by model, policy, chosen instance and arm (a request routing.wake "
+            "sends to a quiet instance instead is counted here at the policy's choice, and in "
+            "triton_proxy_quiet_wakes_total at the instance it went to)",
             ["model", "policy", "instance", "arm"],
             registry=r,
         )

@@ -184,6 +184,8 @@ class Instance:
     """Requests in flight by (model, Triton priority level); level 0 = the model's default."""
     last_sent: dict[str, float] = field(default_factory=dict)
     """Clock time this proxy last sent a request of each model here (proxy.routing.wake)."""
+    woken_at: float = float("-inf")
+    """Clock time routing.wake last sent a request here instead of the policy's choice."""
 
     def ahead_of(self, model: str, level: int | None) -> int:
         """Requests of ``model`` in flight here that Triton serves no later than one at

@@ -16,7 +16,10 @@ that model sent to it for longer than ``margin`` times the model's learned full-
 session key goes there instead of where the policy chose, if the instance has a free slot.
 Its arrival wakes the batcher, and it joins work that should have finished long ago. A model
 whose batch time is not learned yet is never judged quiet (an instance legitimately running a
-long batch must not be sent short work). A periodic scan finds quiet instances
+long batch must not be sent short work). An instance that has not answered anything since it
+was last woken is not woken again: a stalled batcher answers within a batch time of the wake,
+and a frozen server (``SIGSTOP``, a hung backend) would otherwise draw a short request every
+``min_quiet_ms`` until the health checker ejects it. A periodic scan finds quiet instances
 (:func:`quiet_instances`), so the request path only looks up a usually empty set.
 """
 
@@ -64,7 +67,7 @@ def quiet_instances(
     quiet: dict[str, set[str]] = {}
     afters: dict[str, float | None] = {}
     for inst in instances:
-        if not inst.healthy:
+        if not inst.healthy or inst.woken_at > inst.last_answer_at:
             continue
         for model, n in inst.model_in_flight.items():
             if n <= 0 or inst.long_in_flight.get(model):

@@ -131,8 +131,8 @@ def triton_style(o: Outcome) -> bool:
 
 def decisions_for(proxy: ProxyThread, name: str) -> int:
     """Requests placed on instance ``name``: the router's choices, and the requests sent there
-    instead to wake a quiet instance (routing.wake: a stopped instance looks quiet until the
-    health checker ejects it)."""
+    instead to wake a quiet instance (routing.wake: a stopped instance looks quiet, and draws
+    one such request before it is ejected)."""
     stats = proxy.runtime.router.stats.decisions
     chosen = sum(
         n for (model, _, inst), n in list(stats.items()) if inst == name and model == "simple"

@@ -91,3 +91,27 @@ def test_a_send_there_ends_the_quiet() -> None:
             assert w.fleet.quiet == {"m": {"t0"}}
             with w.fleet.track(t0, "m"):
                 assert w.fleet.quiet == {"m": set()}
+
+
+def test_an_instance_that_has_not_answered_since_its_wake_is_not_woken_again() -> None:
+    # A stalled batcher answers within a batch time of the wake; a frozen server does not,
+    # and must not draw a short request every min_quiet_ms until it is ejected.
+    with world(5, 2) as w:
+        placement = least_requests_placement(w, 2)
+        t0 = w.fleet.get("t0")
+
+        def scan() -> dict[str, set[str]]:
+            w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
+            return w.fleet.quiet
+
+        with w.fleet.track(t0, "m"), w.fleet.track(t0, "m"):
+            w.clock.advance(1.0)
+            assert scan() == {"m": {"t0"}}
+            woken = placement.pick(RouteRequest(model="m"), frozenset())
+            assert woken is t0
+            with w.fleet.track(t0, "m"):
+                w.clock.advance(1.0)
+                assert scan() == {}  # no answer since the wake
+                w.fleet.report_answer(t0)
+                w.clock.advance(1.0)
+                assert scan() == {"m": {"t0"}}  # it answered: a later stall is woken again
