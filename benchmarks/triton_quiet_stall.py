@@ -1,6 +1,7 @@
 """Does Triton leave a queued request waiting until another request arrives?
 
     .venv/bin/python benchmarks/triton_quiet_stall.py --trials 30
+    .venv/bin/python benchmarks/triton_quiet_stall.py --trials 60 --only alone --variant delay0
 
 One local Triton (the one this project runs, `nvidia-pytriton`'s), model `accel_sim` with
 `benchmarks/issue10/case.yaml`'s parameters (5 ms + 10 µs per token; dynamic batching, 2 ms
@@ -17,6 +18,11 @@ Triton's dynamic batcher thread sleeps up to 500 ms (``default_wait_microseconds
 while the instance is busy can then wait for that sleep, or for the next arrival, which
 wakes it. Direct round robin sends every instance a steady share of the traffic; a load-aware
 proxy stops sending to an instance whose requests look slow, so nothing wakes it.
+
+``--variant`` edits the model's ``dynamic_batching`` block first, to see whether a setting a
+Triton user controls avoids the stall (session 6, 60 trials each, ``--only alone``: none did;
+stalled requests: as configured 4, no priority levels 10, no queue delay 17, preferred size
+16 9, preferred sizes 1-16 14).
 """
 
 from __future__ import annotations
@@ -39,6 +45,25 @@ from proxy.local.fleet import LocalFleet  # noqa: E402
 
 PARAMETERS = {"accel_sim": {"base_ms": 5, "per_token_us": 10}}
 SLOW_MS = 100.0
+DEFAULTS = "  priority_levels: 3\n  default_priority_level: 2\n"
+DELAY = "max_queue_delay_microseconds: 2000"
+VARIANTS = {
+    "as_configured": ("", ""),
+    "no_priority": (DEFAULTS, ""),
+    "delay0": (DELAY, "max_queue_delay_microseconds: 0"),
+    "preferred16": (DELAY, DELAY + "\n  preferred_batch_size: [ 16 ]"),
+    "preferred_all": (DELAY, DELAY + "\n  preferred_batch_size: [ 1, 2, 4, 8, 16 ]"),
+}
+"""Edits of accel_sim's ``dynamic_batching`` block: (text replaced, replacement)."""
+
+
+def apply_variant(config: Path, variant: str) -> None:
+    old, new = VARIANTS[variant]
+    if old:
+        text = config.read_text()
+        if old not in text:
+            raise SystemExit(f"{config}: no {old.strip()!r} to edit for --variant {variant}")
+        config.write_text(text.replace(old, new))
 
 
 def send(url: str, tokens: int, priority: int, out: dict[str, float], key: str) -> None:
@@ -76,29 +101,33 @@ def trial(url: str, nudge: bool) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trials", type=int, default=30, help="trials of each pattern")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="as_configured")
+    p.add_argument("--only", choices=("alone", "nudge"), help="run one pattern only")
     args = p.parse_args()
+    patterns = (args.only,) if args.only else ("alone", "nudge")
     with tempfile.TemporaryDirectory() as tmp:
         repo = bench_repository(
             ROOT / "model_repository", Path(tmp) / "repository", ["accel_sim"], PARAMETERS
         )
+        apply_variant(repo / "accel_sim" / "config.pbtxt", args.variant)
         with LocalFleet(1, repo, ["accel_sim"], Path(tmp) / "logs") as fleet:
             url = fleet.servers[0].http_url.removeprefix("http://")
             trial(url, nudge=False)  # warm-up
             time.sleep(1.5)
-            slow = {"alone": 0, "nudge": 0}
-            worst = {"alone": 0.0, "nudge": 0.0}
+            slow = dict.fromkeys(patterns, 0)
+            worst = dict.fromkeys(patterns, 0.0)
             for i in range(args.trials):
-                for pattern in ("alone", "nudge"):
+                for pattern in patterns:
                     out = trial(url, nudge=pattern == "nudge")
                     slow[pattern] += sum(1 for v in out.values() if v > SLOW_MS)
                     worst[pattern] = max(worst[pattern], *out.values())
                     cells = "  ".join(f"{k} {v:6.1f}" for k, v in sorted(out.items()))
                     print(f"trial {i + 1:3d} {pattern}: {cells} ms", flush=True)
                     time.sleep(1.5)
-    for pattern in ("alone", "nudge"):
+    for pattern in patterns:
         print(
-            f"{pattern}: {slow[pattern]} requests over {SLOW_MS:g} ms in {args.trials} trials, "
-            f"slowest {worst[pattern]:.1f} ms"
+            f"{args.variant}, {pattern}: {slow[pattern]} requests over {SLOW_MS:g} ms "
+            f"in {args.trials} trials, slowest {worst[pattern]:.1f} ms"
         )
     return 0
 
