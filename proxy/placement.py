@@ -46,6 +46,10 @@ def _ignore(name: str) -> None:
     return None
 
 
+def _keeps_sessions(model: str) -> bool:
+    return True
+
+
 class FleetPlacement:
     """The candidate source of routing (``proxy.routing.view.CandidateSource``) over the
     fleet's live state, and the per-request filters placement applies.
@@ -71,10 +75,14 @@ class FleetPlacement:
         slot_limit: SlotLimit = _no_limit,
         slots_by_level: ByLevel = _shared,
         on_wake: Callable[[str], None] = _ignore,
+        keeps_sessions: Callable[[str], bool] = _keeps_sessions,
     ) -> None:
         self.fleet = fleet
         self.on_wake = on_wake
         """Told the name of each quiet instance a request was sent to (proxy.routing.wake)."""
+        self.keeps_sessions = keeps_sessions
+        """Whether a model's policy places by session key: the wake then leaves keyed
+        requests where the policy chose."""
         self.upstreams = upstreams
         self.placer = placer
         self.snapshots = snapshots
@@ -168,7 +176,11 @@ class FleetPlacement:
         chosen = self.placer(request, self, exclude)
         if chosen is None:
             return None
-        if self.fleet.quiet and not request.long and request.session_key is None:
+        if (
+            self.fleet.quiet
+            and not request.long
+            and (request.session_key is None or not self.keeps_sessions(request.model))
+        ):
             woken = self._wake(request, exclude, chosen.name)
             if woken is not None:
                 return woken

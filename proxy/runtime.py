@@ -153,6 +153,7 @@ class Runtime:
             self._slot_limit,
             self._slots_by_level,
             self._woke,
+            lambda model: self.router.keeps_sessions(model),  # read per call: a reload swaps it
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -215,6 +216,7 @@ class Runtime:
             self._canary_slot_limit,
             self._canary_slots_by_level,
             self._woke,
+            lambda model: (self.canary_router or self.router).keeps_sessions(model),
         )
         self._set_canary(config)
 

@@ -101,6 +101,9 @@ class Policy(Protocol):
     reads_ahead: bool
     """Whether decisions read ``Candidate.ahead`` (which depends on the request's priority
     level): views are then kept per level."""
+    keeps_sessions: bool
+    """Whether decisions follow ``RouteRequest.session_key`` (a session stays on its
+    instance): nothing may then move a keyed request elsewhere (``proxy.routing.wake``)."""
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         """Pick one of ``candidates`` (never empty). The definition of the policy: linear in

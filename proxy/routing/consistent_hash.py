@@ -67,6 +67,7 @@ class ConsistentHash:
     """
 
     reads_ahead = False
+    keeps_sessions = True
 
     def __init__(self, params: ConsistentHashParams, rng: random.Random) -> None:
         self.params = params

@@ -106,6 +106,10 @@ class Router:
             entry = self._policies[model] = (spec.name, build_policy(spec.name, spec.params, rng))
         return entry
 
+    def keeps_sessions(self, model: str) -> bool:
+        """Whether ``model``'s policy places requests by their session key."""
+        return self.policy(model)[1].keeps_sessions
+
     def prepare_one(
         self, c: Candidate, model: str, now: float, strip: bool, evaluate: bool = True
     ) -> tuple[Candidate, int, float | None, float | None]:

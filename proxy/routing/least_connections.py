@@ -34,6 +34,7 @@ class LeastConnections:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: LeastConnectionsParams, rng: random.Random) -> None:
         self.params = params

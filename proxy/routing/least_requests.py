@@ -38,6 +38,7 @@ class LeastRequests:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: LeastRequestsParams, rng: random.Random) -> None:
         self.params = params

@@ -27,6 +27,7 @@ class PowerOfTwoChoices:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:
         self.params = params

@@ -27,6 +27,7 @@ class RandomChoice:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: RandomParams, rng: random.Random) -> None:
         self.params = params

@@ -34,6 +34,7 @@ class RoundRobin:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: RoundRobinParams, rng: random.Random) -> None:
         self.params = params

@@ -10,10 +10,11 @@ arrival frees such a request at once; load-aware placement stops sending to an i
 requests look slow and so keeps them stuck (issue 10: the proxy arms' real-time P99.9 of
 0.2-0.5 s at light load, docs/benchmarks.md, fifth round).
 
-The remedy: an instance with requests of a model in flight, none of them long, and nothing of
-that model sent to it for longer than ``margin`` times the model's learned full-batch time
-(never less than ``min_quiet_ms``) is *quiet*; the next short request of the model without a
-session key goes there instead of where the policy chose, if the instance has a free slot.
+The remedy: an instance with requests of a model in flight, none of them long, that has been
+sent nothing of that model and has answered nothing for longer than ``margin`` times the
+model's learned full-batch time (never less than ``min_quiet_ms``) is *quiet*; the next short
+request of the model goes there instead of where the policy chose, if the instance has a free
+slot (unless the request has a session key and the model's policy places by session key).
 Its arrival wakes the batcher, and it joins work that should have finished long ago. A model
 whose batch time is not learned yet is never judged quiet (an instance legitimately running a
 long batch must not be sent short work). An instance that has not answered anything since it
@@ -36,12 +37,17 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class WakeParams:
     enabled: bool = True
-    margin: float = 4.0
-    """An instance is quiet after this many of the model's full-batch times without a send."""
-    min_quiet_ms: float = 100.0
-    """...and never before this. At 20 ms the wake cut the real-time P99.9 at x0.25 from 512 to
-    136 ms, but at x1 it also sent real-time work to lane instances between two offline
-    batches (real-time P99 133 against 96 ms; docs/benchmarks.md, issue 10, fifth round)."""
+    margin: float = 3.0
+    """An instance is quiet after this many of the model's full-batch times without a send
+    or an answer. A healthy instance with only short work in flight answers within two batch
+    times (the batch running, then the one it forms next)."""
+    min_quiet_ms: float = 20.0
+    """...and never before this. Session 5's wake counted sends only, with a margin of 4 and a
+    100 ms floor: with a 20 ms floor (about 60 ms in effect, 4 learned batch times) it sent
+    real-time work at x1 to lane instances between two offline batches (real-time P99 133
+    against 96 ms). Counting answers too keeps an instance that just finished a batch out,
+    and margin 3 with this floor cut the real-time P99 at x0.25 from 56.6 to 41.7 ms with the
+    same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 20.0
     """How often the proxy looks for quiet instances."""
 
@@ -52,8 +58,8 @@ class WakeParams:
             raise ValueError("min_quiet_ms and scan_ms must be > 0")
 
     def quiet_after_s(self, batch_s: float | None) -> float | None:
-        """How long a model whose full batch takes ``batch_s`` (None: unknown) must go
-        without a send before an instance running it is quiet (None: never)."""
+        """How long an instance running a model whose full batch takes ``batch_s`` (None:
+        unknown) must go without a send or an answer before it is quiet (None: never)."""
         if batch_s is None:
             return None
         return max(self.min_quiet_ms / 1e3, self.margin * batch_s)
@@ -77,6 +83,8 @@ def quiet_instances(
             else:
                 after = afters[model] = quiet_after_s(model)
             sent = inst.last_sent.get(model)
-            if after is not None and sent is not None and now - sent >= after:
+            if after is None or sent is None:
+                continue
+            if now - max(sent, inst.last_answer_at) >= after:
                 quiet.setdefault(model, set()).add(inst.spec.name)
     return quiet

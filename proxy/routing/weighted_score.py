@@ -86,6 +86,7 @@ class WeightedScore:
     """
 
     reads_ahead = False
+    keeps_sessions = False
 
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:
         self.params = params

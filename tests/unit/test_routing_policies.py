@@ -254,6 +254,19 @@ def test_expected_start_counts_only_work_at_the_same_or_higher_priority() -> Non
     assert _es(short, a, b) == "b"
 
 
+def test_expected_start_prefers_an_idle_instance_to_one_running_lower_priority_work() -> None:
+    # No priority pre-empts the batch running: a real-time request on b waits for b's online
+    # batch, on a it starts at once (busy_weight 0.5: 1/16 < 1/16 + 0.5 on every seed).
+    short = RouteRequest(model=MODEL, level=1, batch=16)
+    idle = dataclasses.replace(cand("a", in_flight=0), ahead=0)
+    running_online = dataclasses.replace(cand("b", in_flight=1), ahead=0)
+    assert {_es(short, idle, running_online, seed=s) for s in range(20)} == {"a"}
+    # ...and busy is busy: 40 lower-level requests do not count more than one
+    b = dataclasses.replace(cand("b", in_flight=40), ahead=0)
+    c = dataclasses.replace(cand("c", in_flight=1), ahead=1)
+    assert _es(short, b, c) == "b"  # 1/16 + 0.5 < 2/16 + 0.5
+
+
 def test_expected_start_spreads_long_requests_when_asked() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=1), long_in_flight=1)
@@ -326,6 +339,7 @@ def test_expected_start_packs_a_capped_class_by_its_own_work() -> None:
     [
         ({"long_placement": "scatter"}, "long_placement: must be one of 'pack', 'spread'"),
         ({"lane_depth": 0}, "lane_depth must be"),
+        ({"busy_weight": -1}, "busy_weight must be"),
     ],
 )
 def test_expected_start_params_are_checked(params: dict[str, Any], match: str) -> None:

@@ -67,6 +67,7 @@ class World:
             self.snapshots.get,
             self.slot_limit,
             lambda: self.by_level,
+            keeps_sessions=router.keeps_sessions,
         )
 
     def names(self) -> list[str]:

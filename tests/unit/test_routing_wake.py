@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import random
 
 import pytest
 
 from proxy.fleet.instances import Work
 from proxy.routing.base import RouteRequest
+from proxy.routing.config import PolicySpec, RoutingConfig
+from proxy.routing.engine import Router
 from proxy.routing.wake import WakeParams, quiet_instances
 from tests.unit.test_routing_view import least_requests_placement, world
 
@@ -21,8 +24,8 @@ def after(model: str) -> float | None:
 
 def test_quiet_after_is_a_margin_over_the_batch_time_and_never_unknown() -> None:
     assert WAKE.quiet_after_s(None) is None  # not learned yet: never judged quiet
-    assert WAKE.quiet_after_s(0.030) == pytest.approx(0.120)
-    assert WAKE.quiet_after_s(0.001) == pytest.approx(0.100)  # the floor
+    assert WAKE.quiet_after_s(0.030) == pytest.approx(0.090)
+    assert WAKE.quiet_after_s(0.001) == pytest.approx(0.020)  # the floor
     with pytest.raises(ValueError, match="margin"):
         WakeParams(margin=0.5)
 
@@ -35,9 +38,14 @@ def test_an_instance_is_quiet_when_nothing_was_sent_to_it_for_longer_than_its_ba
             stack.enter_context(w.fleet.track(t1, "m", work=Work(long=True)))  # long work
             stack.enter_context(w.fleet.track(t2, "other"))  # a model with no batch time
             now = w.clock.now()
-            assert quiet_instances(w.fleet.instances.values(), now + 0.099, after) == {}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.029, after) == {}
             # t0 only: long work may legitimately run that long; "other" is not learned
-            assert quiet_instances(w.fleet.instances.values(), now + 0.101, after) == {"m": {"t0"}}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.031, after) == {"m": {"t0"}}
+            # an answer (to any request) shows the instance is working: quiet again 30 ms later
+            w.clock.advance(0.020)
+            w.fleet.report_answer(t0)
+            assert quiet_instances(w.fleet.instances.values(), now + 0.049, after) == {}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.051, after) == {"m": {"t0"}}
         # nothing in flight: never quiet, however long ago the last send was
         assert quiet_instances(w.fleet.instances.values(), now + 10, after) == {}
         with w.fleet.track(t0, "m"):
@@ -58,10 +66,8 @@ def test_the_next_short_request_goes_to_a_quiet_instance_and_wakes_it_once() -> 
             # least_requests alone would avoid t0 (two in flight)
             chosen = placement.placer(short, placement, frozenset())
             assert chosen is not None and chosen.name != "t0"
-            # not for long work, nor for a request with a session key
+            # not for long work
             assert placement.pick(RouteRequest(model="m", long=True), frozenset()).name != "t0"
-            keyed = RouteRequest(model="m", session_key="s")
-            assert placement.pick(keyed, frozenset()).name != "t0"
             # nor where a retry excluded it
             assert placement.pick(short, frozenset({"t0"})).name != "t0"
             assert placement.pick(short, frozenset()).name == "t0"
@@ -115,3 +121,23 @@ def test_an_instance_that_has_not_answered_since_its_wake_is_not_woken_again() -
                 w.fleet.report_answer(t0)
                 w.clock.advance(1.0)
                 assert scan() == {"m": {"t0"}}  # it answered: a later stall is woken again
+
+
+@pytest.mark.parametrize(
+    ("policy", "wakes"), [("consistent_hash", False), ("least_requests", True)]
+)
+def test_a_keyed_request_wakes_unless_the_policy_keeps_sessions(policy: str, wakes: bool) -> None:
+    with world(6, 3) as w:
+        router = Router(
+            RoutingConfig(policy=PolicySpec(name=policy, params={})), w.clock, random.Random(6)
+        )
+        placement = w.placement(router)
+        keyed = RouteRequest(model="m", session_key="s")
+        home = placement.pick(keyed, frozenset())
+        assert home is not None
+        quiet = next(i for i in w.fleet.instances.values() if i is not home)
+        with w.fleet.track(quiet, "m"):
+            w.clock.advance(1.0)
+            w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
+            assert w.fleet.quiet == {"m": {quiet.name}}
+            assert (placement.pick(keyed, frozenset()) is quiet) is wakes
