@@ -37,10 +37,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class WakeParams:
     enabled: bool = True
-    margin: float = 3.0
+    margin: float = 2.0
     """An instance is quiet after this many of the model's full-batch times without a send
-    or an answer. A healthy instance with only short work in flight answers within two batch
-    times (the batch running, then the one it forms next)."""
+    or an answer. A busy, healthy instance answers once per batch; one that was idle answers
+    within one batch time of a send. The stall also hits a request sent to an idle instance
+    within a few milliseconds of its last answer (session 6's request log), so the wake must
+    come soon after one batch time to matter: round robin's next arrival frees such a request
+    after about 30 ms at x0.25."""
     min_quiet_ms: float = 20.0
     """...and never before this. Session 5's wake counted sends only, with a margin of 4 and a
     100 ms floor: with a 20 ms floor (about 60 ms in effect, 4 learned batch times) it sent
@@ -48,7 +51,7 @@ class WakeParams:
     against 96 ms). Counting answers too keeps an instance that just finished a batch out,
     and margin 3 with this floor cut the real-time P99 at x0.25 from 56.6 to 41.7 ms with the
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
-    scan_ms: float = 20.0
+    scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ def after(model: str) -> float | None:
 
 def test_quiet_after_is_a_margin_over_the_batch_time_and_never_unknown() -> None:
     assert WAKE.quiet_after_s(None) is None  # not learned yet: never judged quiet
-    assert WAKE.quiet_after_s(0.030) == pytest.approx(0.090)
+    assert WAKE.quiet_after_s(0.030) == pytest.approx(0.060)
     assert WAKE.quiet_after_s(0.001) == pytest.approx(0.020)  # the floor
     with pytest.raises(ValueError, match="margin"):
         WakeParams(margin=0.5)
@@ -38,14 +38,14 @@ def test_an_instance_is_quiet_when_nothing_was_sent_to_it_for_longer_than_its_ba
             stack.enter_context(w.fleet.track(t1, "m", work=Work(long=True)))  # long work
             stack.enter_context(w.fleet.track(t2, "other"))  # a model with no batch time
             now = w.clock.now()
-            assert quiet_instances(w.fleet.instances.values(), now + 0.029, after) == {}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.019, after) == {}
             # t0 only: long work may legitimately run that long; "other" is not learned
-            assert quiet_instances(w.fleet.instances.values(), now + 0.031, after) == {"m": {"t0"}}
-            # an answer (to any request) shows the instance is working: quiet again 30 ms later
-            w.clock.advance(0.020)
+            assert quiet_instances(w.fleet.instances.values(), now + 0.021, after) == {"m": {"t0"}}
+            # an answer (to any request) shows the instance is working: quiet again 20 ms later
+            w.clock.advance(0.025)
             w.fleet.report_answer(t0)
-            assert quiet_instances(w.fleet.instances.values(), now + 0.049, after) == {}
-            assert quiet_instances(w.fleet.instances.values(), now + 0.051, after) == {"m": {"t0"}}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.044, after) == {}
+            assert quiet_instances(w.fleet.instances.values(), now + 0.046, after) == {"m": {"t0"}}
         # nothing in flight: never quiet, however long ago the last send was
         assert quiet_instances(w.fleet.instances.values(), now + 10, after) == {}
         with w.fleet.track(t0, "m"):
