@@ -24,7 +24,9 @@ Every arm sends the same schedule to the same local Triton servers:
   of it for short work) and 64 slots per instance; ``+adaptive`` has adaptive concurrency
   instead of the 64 fixed slots;
 - ``proxy_rank_lane``: ``proxy_long_lane`` with ``slot_sharing: by_rank`` (a class counts only
-  the slots held by classes at least as important as itself).
+  the slots held by classes at least as important as itself); ``+idle`` also sends the long
+  requests of uncapped classes to an idle instance while another one stays idle
+  (``long_to_idle``, ``idle_reserve: 1``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -184,6 +186,18 @@ def _catalog() -> dict[str, ArmPlan]:
             lowest_max_per_instance=LANE_DEPTH,
             lowest_spare_instances=1,
             policy_params={"long_placement": "pack"},
+            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
+        ),
+        ArmPlan(
+            "proxy_rank_lane+idle",
+            "proxy",
+            "proxy_rank_lane with long_to_idle and idle_reserve 1 (online's long rows to an "
+            "idle instance while another one stays idle)",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            policy_params={"long_placement": "pack", "long_to_idle": True, "idle_reserve": 1},
             scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
         ArmPlan(

@@ -47,7 +47,17 @@ class ExpectedStartParams:
     instances padded the real-time batches that followed them there: real-time P99 115.6
     against 83.4 ms, 98.4 % within the SLO against 99.5 %, which loses the goodput."""
 
+    idle_reserve: int = 0
+    """``long_to_idle``: idle instances that must remain for short work after a long request
+    takes one. 0: any idle instance takes it; 1: only while another instance stays idle, so
+    under load (when at most one instance is ever idle) long work stays in the lane. Measured
+    (arm ``proxy_rank_lane+idle``, docs/benchmarks.md, issue 10 sixth round, 3 repetitions):
+    online's P99 at x0.25 61.0 against 72.6 ms, but at x1 real-time attainment 98.6 %
+    against 99.6 %, as with ``long_to_idle`` alone: opt-in."""
+
     def __post_init__(self) -> None:
+        if self.idle_reserve < 0:
+            raise ValueError(f"idle_reserve must be >= 0, got {self.idle_reserve}")
         if self.busy_weight < 0:
             raise ValueError(f"busy_weight must be >= 0, got {self.busy_weight}")
         if self.long_weight < 0:
@@ -111,8 +121,18 @@ class ExpectedStart:
         self.params = params
         self._rng = rng
 
-    def key(self, request: RouteRequest) -> Callable[[Candidate], tuple[float, ...]]:
-        """The score of the docstring for requests like ``request`` (its ``long``, ``batch``)."""
+    def to_idle(self, request: RouteRequest) -> bool:
+        """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""
+        p = self.params
+        return (
+            request.long and p.long_placement == "pack" and p.long_to_idle and not request.class_cap
+        )
+
+    def key(
+        self, request: RouteRequest, to_idle: bool = True
+    ) -> Callable[[Candidate], tuple[float, ...]]:
+        """The score of the docstring for requests like ``request`` (its ``long``, ``batch``);
+        ``to_idle=False``: as if ``long_to_idle`` were off."""
         batch = max(1, request.batch)
         long_weight = self.params.long_weight
         busy_weight = self.params.busy_weight
@@ -120,7 +140,7 @@ class ExpectedStart:
         if request.long and self.params.long_placement == "pack":
             cap = request.class_cap
             depth = self.params.lane_depth or 2 * batch
-            to_idle = not cap and self.params.long_to_idle
+            to_idle = to_idle and self.to_idle(request)
 
             def key(c: Candidate) -> tuple[float, ...]:
                 full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth
@@ -154,13 +174,32 @@ class ExpectedStart:
         return key
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        return pick_min(candidates, self.key(request), self._rng)
+        key = self.key(request)
+        reserve = self.params.idle_reserve
+        if reserve and self.to_idle(request):
+            idle = sum(1 for c in candidates if key(c)[:2] == (0.0, 0.0))
+            if idle <= reserve:
+                key = self.key(request, to_idle=False)
+        return pick_min(candidates, key, self._rng)
 
     def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
         """The minimum of a sorted index (O(log n)), one per (long, batch); the view is per
-        priority level already (``ahead`` depends on it)."""
-        tag = ("expected_start", request.long, max(1, request.batch))
-        return view.ordering(tag, self.key(request)).pick_min(self._rng)
+        priority level already (``ahead`` depends on it). With ``idle_reserve``, the idle
+        instances (not full, nothing in flight) sort first in the ``long_to_idle`` index, so
+        whether more than ``idle_reserve`` of them are at the lowest filter level is a look at
+        one entry (O(1))."""
+        tag: tuple[object, ...] = ("expected_start", request.long, max(1, request.batch))
+        ordering = view.ordering(tag, self.key(request))
+        reserve = self.params.idle_reserve
+        if reserve and self.to_idle(request):
+            items = ordering.items
+            first = items[0] if items else None
+            spare = items[reserve] if len(items) > reserve else None
+            # entry = (filter level, full, busy, ..., position, member)
+            if first is None or spare is None or spare[:3] != (first[0], 0.0, 0.0):
+                tag = ("expected_start", request.long, max(1, request.batch), "no_idle")
+                ordering = view.ordering(tag, self.key(request, to_idle=False))
+        return ordering.pick_min(self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> ExpectedStart:

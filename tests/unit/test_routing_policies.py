@@ -225,8 +225,14 @@ def _es(
     seed: int = 0,
     placement: str = "pack",
     to_idle: bool = False,
+    idle_reserve: int = 0,
 ) -> str:
-    params = {"long_weight": 3.0, "long_placement": placement, "long_to_idle": to_idle}
+    params = {
+        "long_weight": 3.0,
+        "long_placement": placement,
+        "long_to_idle": to_idle,
+        "idle_reserve": idle_reserve,
+    }
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
 
@@ -304,6 +310,20 @@ def test_expected_start_sends_uncapped_long_work_to_an_idle_instance_first() -> 
     assert policy.choose([short, lane, idle], long).name == "a"
 
 
+def test_expected_start_idle_reserve_keeps_idle_instances_for_short_work() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    idle_c, idle_d = cand("c", in_flight=0), cand("d", in_flight=0)
+    # two idle instances: one takes the long request, one stays idle
+    assert _es(long, lane, idle_c, idle_d, to_idle=True, idle_reserve=1) in {"c", "d"}
+    # the last idle instance is kept for short work: the lane takes it
+    assert _es(long, lane, idle_c, to_idle=True, idle_reserve=1) == "a"
+    assert _es(long, lane, idle_c, idle_d, to_idle=True, idle_reserve=2) == "a"
+    # a full instance with nothing in flight is not idle for this count
+    full_idle = dataclasses.replace(cand("d", in_flight=0), long_in_flight=32)
+    assert _es(long, lane, idle_c, full_idle, to_idle=True, idle_reserve=1) == "a"
+
+
 def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=4), long_in_flight=4)
@@ -340,6 +360,7 @@ def test_expected_start_packs_a_capped_class_by_its_own_work() -> None:
         ({"long_placement": "scatter"}, "long_placement: must be one of 'pack', 'spread'"),
         ({"lane_depth": 0}, "lane_depth must be"),
         ({"busy_weight": -1}, "busy_weight must be"),
+        ({"idle_reserve": -1}, "idle_reserve must be"),
     ],
 )
 def test_expected_start_params_are_checked(params: dict[str, Any], match: str) -> None:

@@ -287,14 +287,15 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
-@pytest.mark.parametrize("to_idle", [False, True])
+@pytest.mark.parametrize(("to_idle", "idle_reserve"), [(False, 0), (True, 0), (True, 1), (True, 3)])
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
-    seed: int, lane_depth: int | None, to_idle: bool
+    seed: int, lane_depth: int | None, to_idle: bool, idle_reserve: int
 ) -> None:
     params: dict[str, Any] = {
         "long_placement": "pack",
         "lane_depth": lane_depth,
         "long_to_idle": to_idle,
+        "idle_reserve": idle_reserve,
     }
     compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 
