@@ -34,7 +34,7 @@ from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
-from proxy.routing.wake import quiet_instances
+from proxy.routing.wake import quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.models import FanOutObserver, ModelGates
@@ -248,9 +248,13 @@ class Runtime:
         instance is quiet (proxy.routing.wake); None: not judged (batch time unknown)."""
         info = self.catalog.cached(model)
         batch = info.max_batch_size if info is not None else 1
-        return self.config.routing.wake.quiet_after_s(
-            self.dispatcher.costs.batch_seconds(model, batch)
-        )
+        batch_s = self.dispatcher.costs.batch_seconds(model, batch)
+        if batch_s is None:
+            snapshots = self.scraper.snapshots().values()
+            batch_s = scraped_batch_s(
+                snap.models[model].compute_us for snap in snapshots if model in snap.models
+            )
+        return self.config.routing.wake.quiet_after_s(batch_s)
 
     async def _find_quiet(self) -> None:
         """Every ``routing.wake.scan_ms``: which instances are quiet (proxy.routing.wake)."""

@@ -68,6 +68,18 @@ class WakeParams:
         return max(self.min_quiet_ms / 1e3, self.margin * batch_s)
 
 
+def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
+    """A model's batch time from Triton's own metrics, when the proxy has not learned its cost
+    curve (None: no instance reported one). ``compute_us`` is each instance's mean compute time
+    per request over the scrape window (``ModelLoad.compute_us``); every request of a batch is
+    charged the batch's compute time, so this is the mean batch time there; the largest one
+    is taken. The proxy learns the curve from requests that ran alone, which under sustained
+    load (x1 of issue 10's benchmark) never happens: without this fallback the wake never
+    judged an instance there, and stalled requests waited the full 0.5 s."""
+    known = [us for us in compute_us if us is not None and us > 0]
+    return max(known) / 1e6 if known else None
+
+
 def quiet_instances(
     instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
 ) -> dict[str, set[str]]:

@@ -11,7 +11,7 @@ from proxy.fleet.instances import Work
 from proxy.routing.base import RouteRequest
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
-from proxy.routing.wake import WakeParams, quiet_instances
+from proxy.routing.wake import WakeParams, quiet_instances, scraped_batch_s
 from tests.unit.test_routing_view import least_requests_placement, world
 
 BATCH_S = 0.010
@@ -141,3 +141,10 @@ def test_a_keyed_request_wakes_unless_the_policy_keeps_sessions(policy: str, wak
             w.fleet.quiet = quiet_instances(w.fleet.instances.values(), w.clock.now(), after)
             assert w.fleet.quiet == {"m": {quiet.name}}
             assert (placement.pick(keyed, frozenset()) is quiet) is wakes
+
+
+def test_without_a_learned_curve_the_batch_time_comes_from_tritons_compute_time() -> None:
+    # the largest mean compute time per request (= per batch) any instance reported
+    assert scraped_batch_s([12_000.0, None, 30_000.0]) == pytest.approx(0.030)
+    assert scraped_batch_s([None, 0.0]) is None  # nothing reported: never judged
+    assert scraped_batch_s([]) is None
