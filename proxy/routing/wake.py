@@ -16,7 +16,8 @@ model's learned full-batch time (never less than ``min_quiet_ms``) is *quiet*; t
 request of the model goes there instead of where the policy chose, if the instance has a free
 slot (unless the request has a session key and the model's policy places by session key).
 Its arrival wakes the batcher, and it joins work that should have finished long ago. A model
-whose batch time is not learned yet is never judged quiet (an instance legitimately running a
+whose batch time is neither learned (the cost curve) nor reported by Triton's metrics
+(:func:`scraped_batch_s`) is never judged quiet (an instance legitimately running a
 long batch must not be sent short work). An instance that has not answered anything since it
 was last woken is not woken again: a stalled batcher answers within a batch time of the wake,
 and a frozen server (``SIGSTOP``, a hung backend) would otherwise draw a short request every
