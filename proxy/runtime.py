@@ -153,7 +153,7 @@ class Runtime:
             self._slot_limit,
             self._slots_by_level,
             self._woke,
-            lambda model: self.router.keeps_sessions(model),  # read per call: a reload swaps it
+            self._keeps_sessions,
         )
         observers: list[GateObserver] = [_GateTelemetry(telemetry)]
         if gate_observer is not None:
@@ -216,7 +216,7 @@ class Runtime:
             self._canary_slot_limit,
             self._canary_slots_by_level,
             self._woke,
-            lambda model: (self.canary_router or self.router).keeps_sessions(model),
+            self._canary_keeps_sessions,
         )
         self._set_canary(config)
 
@@ -239,6 +239,12 @@ class Runtime:
         # the main router.
         router = self.canary_router
         return (router or self.router).place(request, source, exclude)
+
+    def _keeps_sessions(self, model: str) -> bool:
+        return self.router.keeps_sessions(model)  # self.router, read per call: a reload swaps it
+
+    def _canary_keeps_sessions(self, model: str) -> bool:
+        return (self.canary_router or self.router).keeps_sessions(model)  # as _place_canary
 
     def _woke(self, instance: str) -> None:
         self.telemetry.wakes.labels(instance).inc()
