@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import sys
@@ -13,26 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy import collector
 from proxy import config as config_mod
 from proxy.app import BoundPorts, ProxyServer
 from proxy.strict import ConfigError
 from proxy.workers import Supervisor, WorkerRole
 
 ROOT = Path(__file__).resolve().parent.parent
-GC_THRESHOLDS = (50_000, 20, 10)
-"""The cyclic collector's thresholds once the proxy serves (CPython's default: 700, 10, 10).
-
-A request's objects (coroutine frames, futures, header dicts) live until its answer, so with
-the default a young collection ran every ~25 ms under load, found the objects of the
-requests in flight still alive, and promoted them; they died in the old generations, whose
-growth then set off full collections over everything alive. Measured in the proxy at issue
-10's x1.5 load (650 req/s, docs/benchmarks.md): 40 young collections a second, 60-80 ms of
-collector time a second (12-15% of the process's CPU); at x2, with a thousand requests
-queued, 80-300 ms a second and full collections of 100-216 ms, each one a stall of every
-request in flight. With 50,000 the young generation fills only when that many more objects
-are alive than at the last collection: at x1.5 no collection ran in 12 s, and with a
-thousand requests queued one ran every ~5 s for 44-68 ms. Garbage in cycles (exceptions
-and their tracebacks) still counts towards the threshold, so it stays bounded."""
 DEFAULT_REPOSITORY = ROOT / "model_repository"
 DEFAULT_MODELS = (
     "simple",
@@ -53,12 +39,9 @@ async def _serve(server: ProxyServer, banner: str = "", *, quiet: bool = False) 
     with contextlib.suppress(AttributeError):  # SIGHUP is POSIX-only
         loop.add_signal_handler(signal.SIGHUP, server.request_reload)
     ports = await server.start()
-    # What exists now (imported modules, protobuf descriptors, the policy) lives as long as the
-    # process: moved out of the collector's sight, every full collection scans only what
-    # requests allocate. Measured in the issue 10 benchmark at 2x load, where the event loop
-    # lagged 30-140 ms with a thousand requests queued (docs/benchmarks.md).
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    # Measured in the issue 10 benchmark at 2x load, where the event loop lagged 30-140 ms
+    # with a thousand requests queued (docs/benchmarks.md).
+    collector.settle()
     try:
         if not quiet:  # a worker: its supervisor prints one banner for all of them
             print(_endpoints(ports) + banner, flush=True)

@@ -29,6 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import collector
 from proxy.bench.scenario import Arrival, ClassSpec, ModelSpec, Scenario
 from proxy.clock import Clock, MonotonicClock
 
@@ -441,70 +442,72 @@ async def run_schedule(
     ``t0`` (time zero of the schedule) is ``start_delay_s`` after the call, so set-up work
     here does not eat into the first arrivals.
     """
-    clk = clock if clock is not None else MonotonicClock()
-    horizon = horizon_s if horizon_s is not None else (schedule[-1].t if schedule else 0.0)
-    t0 = clk.now() + start_delay_s
-    rec = RunRecords.empty(len(schedule), t0)
-    counts = Counts()
-    tasks: set[asyncio.Task[None]] = set()
+    # The generator measures: its own collector's pauses must not be charged to the arm.
+    with collector.quiet_while():
+        clk = clock if clock is not None else MonotonicClock()
+        horizon = horizon_s if horizon_s is not None else (schedule[-1].t if schedule else 0.0)
+        t0 = clk.now() + start_delay_s
+        rec = RunRecords.empty(len(schedule), t0)
+        counts = Counts()
+        tasks: set[asyncio.Task[None]] = set()
 
-    async def fire(i: int, arrival: Arrival) -> None:
-        rec.started[i] = clk.now()
-        result = await target.send(arrival)
-        rec.finished[i] = clk.now()
-        rec.outcome[i] = int(result.outcome)
-        rec.status[i] = result.status
-        if result.instance is not None:
-            rec.instance[i] = rec.instance_index(result.instance)
-        counts.done += 1
-        if result.outcome == Outcome.OK:
-            counts.ok += 1
-        elif result.outcome == Outcome.SHED:
-            counts.shed += 1
-            if not arrival.warmup:  # like every other figure: the measured window only
-                rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
-        else:
-            counts.error += 1
-            rec.errors[f"{result.status} {result.error}"] += 1
+        async def fire(i: int, arrival: Arrival) -> None:
+            rec.started[i] = clk.now()
+            result = await target.send(arrival)
+            rec.finished[i] = clk.now()
+            rec.outcome[i] = int(result.outcome)
+            rec.status[i] = result.status
+            if result.instance is not None:
+                rec.instance[i] = rec.instance_index(result.instance)
+            counts.done += 1
+            if result.outcome == Outcome.OK:
+                counts.ok += 1
+            elif result.outcome == Outcome.SHED:
+                counts.shed += 1
+                if not arrival.warmup:  # like every other figure: the measured window only
+                    rec.sheds[f"{arrival.cls} {shed_reason(result.error)}"] += 1
+            else:
+                counts.error += 1
+                rec.errors[f"{result.status} {result.error}"] += 1
 
-    async def ticker() -> None:
-        # Progress and probes run beside the dispatcher, never in its way.
-        next_probe = 0.0
-        while True:
-            elapsed = clk.now() - t0
+        async def ticker() -> None:
+            # Progress and probes run beside the dispatcher, never in its way.
+            next_probe = 0.0
+            while True:
+                elapsed = clk.now() - t0
+                if progress is not None:
+                    progress.update(target.name, elapsed, horizon, counts)
+                if probe is not None and elapsed >= next_probe:
+                    sample = await probe.sample()
+                    rec.load_samples.append((clk.now() - t0, dict(sample)))
+                    next_probe = elapsed + probe_interval_s
+                await sleep(tick_s)
+
+        # Without progress or probe no side task runs, so a fake ``sleep`` only ever sees the
+        # dispatcher's own waits.
+        side = asyncio.create_task(ticker()) if progress is not None or probe is not None else None
+        try:
+            for i, arrival in enumerate(schedule):
+                due = t0 + arrival.t
+                rec.scheduled[i] = due
+                delay = due - clk.now()
+                if delay > 0:
+                    await sleep(delay)
+                task = asyncio.create_task(fire(i, arrival))
+                counts.sent += 1
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*list(tasks))
+            if side is not None and side.done():
+                side.result()  # a failed probe is a bug worth seeing, not a silent gap
             if progress is not None:
-                progress.update(target.name, elapsed, horizon, counts)
-            if probe is not None and elapsed >= next_probe:
-                sample = await probe.sample()
-                rec.load_samples.append((clk.now() - t0, dict(sample)))
-                next_probe = elapsed + probe_interval_s
-            await sleep(tick_s)
-
-    # Without progress or probe no side task runs, so a fake ``sleep`` only ever sees the
-    # dispatcher's own waits.
-    side = asyncio.create_task(ticker()) if progress is not None or probe is not None else None
-    try:
-        for i, arrival in enumerate(schedule):
-            due = t0 + arrival.t
-            rec.scheduled[i] = due
-            delay = due - clk.now()
-            if delay > 0:
-                await sleep(delay)
-            task = asyncio.create_task(fire(i, arrival))
-            counts.sent += 1
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*list(tasks))
-        if side is not None and side.done():
-            side.result()  # a failed probe is a bug worth seeing, not a silent gap
-        if progress is not None:
-            progress.update(target.name, clk.now() - t0, horizon, counts)
-    finally:
-        others = [*tasks, *([side] if side is not None else [])]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
-        if progress is not None:
-            progress.close()
-    return rec
+                progress.update(target.name, clk.now() - t0, horizon, counts)
+        finally:
+            others = [*tasks, *([side] if side is not None else [])]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            if progress is not None:
+                progress.close()
+        return rec
