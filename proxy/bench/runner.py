@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import collector
 from proxy.bench.scenario import Arrival, ClassSpec, ModelSpec, Scenario
 from proxy.clock import Clock, MonotonicClock
+from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.http1 import Http1Pool
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -153,7 +155,7 @@ class TargetSpec:
     instance_names: tuple[str, ...] | None = None
     instance_header: str | None = "x-served-by"
     connection_limit: int = 1000
-    """Open connections at most (aiohttp pool); requests beyond wait, and that wait counts."""
+    """Open connections per URL at most; requests beyond wait, and that wait counts."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -168,49 +170,52 @@ def instance_name(url: str) -> str:
 
 
 class HttpTarget:
-    """KServe v2 HTTP client for one arm (see :class:`TargetSpec`)."""
+    """KServe v2 HTTP client for one arm (see :class:`TargetSpec`).
+
+    It sends through the proxy's own HTTP/1.1 client (:class:`~proxy.fleet.http1.Http1Pool`,
+    kept-alive connections, one pool per URL), not aiohttp's: the generator shares the
+    machine with the arm and the servers, and every millisecond of CPU it spends per request
+    is taken from them or delays its own schedule. aiohttp's client cost the proxy about twice
+    as much CPU per request (docs/benchmarks.md, "What was cut")."""
 
     def __init__(self, name: str, spec: TargetSpec, scenario: Scenario) -> None:
         self.name = name
         self.spec = spec
         self.encoder = RequestEncoder(scenario.model, scenario.classes, spec.priority)
-        self._urls = [u.rstrip("/") + self.encoder.path for u in spec.urls]
         self._names = list(spec.instance_names or [instance_name(u) for u in spec.urls])
         self._next = 0
-        self._timeout = aiohttp.ClientTimeout(total=scenario.timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.spec.connection_limit, limit_per_host=0)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-        return self._session
+        self._timeout_s = scenario.timeout_s
+        self._pools = [
+            Http1Pool(u.rstrip("/"), spec.connection_limit, scenario.timeout_s) for u in spec.urls
+        ]
+        self._header = (spec.instance_header or "").lower()
 
     async def send(self, arrival: Arrival) -> SendResult:
         body, headers = self.encoder.encode(arrival)
         k = self._next
-        self._next = (k + 1) % len(self._urls)
-        known = self._names[k] if len(self._urls) > 1 else None
+        self._next = (k + 1) % len(self._pools)
+        known = self._names[k] if len(self._pools) > 1 else None
         try:
-            async with self._client().post(self._urls[k], data=body, headers=headers) as resp:
-                payload = await resp.read()
-                instance = known
-                if instance is None and self.spec.instance_header:
-                    instance = resp.headers.get(self.spec.instance_header)
-                if resp.status == 200:
-                    return SendResult(Outcome.OK, 200, instance)
-                if resp.status == 429:  # the whole message: its reason is near the end
-                    return SendResult(Outcome.SHED, 429, instance, _error_text(payload, 400))
-                return SendResult(Outcome.ERROR, resp.status, instance, _error_text(payload))
+            async with asyncio.timeout(self._timeout_s):
+                resp = await self._pools[k].request(
+                    "POST", self.encoder.path, list(headers.items()), body
+                )
         except TimeoutError:
             return SendResult(Outcome.ERROR, 0, known, "client timeout")
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamConnectError, UpstreamLostError, OSError) as exc:
             return SendResult(Outcome.ERROR, 0, known, f"{type(exc).__name__}: {exc}"[:120])
+        instance = known
+        if instance is None and self._header:
+            instance = next((v for n, v in resp.headers if n.lower() == self._header), None)
+        if resp.status == 200:
+            return SendResult(Outcome.OK, 200, instance)
+        if resp.status == 429:  # the whole message: its reason is near the end
+            return SendResult(Outcome.SHED, 429, instance, _error_text(resp.body, 400))
+        return SendResult(Outcome.ERROR, resp.status, instance, _error_text(resp.body))
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for pool in self._pools:
+            pool.close()
 
 
 SHED_PHRASES = {
