@@ -155,7 +155,8 @@ class TargetSpec:
     instance_names: tuple[str, ...] | None = None
     instance_header: str | None = "x-served-by"
     connection_limit: int = 1000
-    """Open connections per URL at most; requests beyond wait, and that wait counts."""
+    """Open connections per URL and class at most; requests beyond wait, and that wait
+    counts."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -173,10 +174,17 @@ class HttpTarget:
     """KServe v2 HTTP client for one arm (see :class:`TargetSpec`).
 
     It sends through the proxy's own HTTP/1.1 client (:class:`~proxy.fleet.http1.Http1Pool`,
-    kept-alive connections, one pool per URL), not aiohttp's: the generator shares the
-    machine with the arm and the servers, and every millisecond of CPU it spends per request
-    is taken from them or delays its own schedule. aiohttp's client cost the proxy about twice
-    as much CPU per request (docs/benchmarks.md, "What was cut")."""
+    kept-alive connections), not aiohttp's: the generator shares the machine with the arm and
+    the servers, and every millisecond of CPU it spends per request is taken from them or
+    delays its own schedule. aiohttp's client cost the proxy about twice as much CPU per
+    request (docs/benchmarks.md, "What was cut").
+
+    Each class has its own connections to each URL, as separate clients (a chat service, an
+    evaluation job) would: a class whose requests pile up in a queue opens connections for
+    them, and a request of another class does not wait for one of those to be set up. With
+    one shared pool, at issue 10's x2 load the offline backlog kept the pool growing, and the
+    real-time requests that drew a new connection waited 137 ms (median) before the proxy
+    accepted it (2 December, docs/benchmarks.md)."""
 
     def __init__(self, name: str, spec: TargetSpec, scenario: Scenario) -> None:
         self.name = name
@@ -185,19 +193,23 @@ class HttpTarget:
         self._names = list(spec.instance_names or [instance_name(u) for u in spec.urls])
         self._next = 0
         self._timeout_s = scenario.timeout_s
-        self._pools = [
-            Http1Pool(u.rstrip("/"), spec.connection_limit, scenario.timeout_s) for u in spec.urls
-        ]
+        self._pools = {
+            cls: [
+                Http1Pool(u.rstrip("/"), spec.connection_limit, scenario.timeout_s)
+                for u in spec.urls
+            ]
+            for cls in scenario.classes
+        }
         self._header = (spec.instance_header or "").lower()
 
     async def send(self, arrival: Arrival) -> SendResult:
         body, headers = self.encoder.encode(arrival)
         k = self._next
-        self._next = (k + 1) % len(self._pools)
-        known = self._names[k] if len(self._pools) > 1 else None
+        self._next = (k + 1) % len(self._names)
+        known = self._names[k] if len(self._names) > 1 else None
         try:
             async with asyncio.timeout(self._timeout_s):
-                resp = await self._pools[k].request(
+                resp = await self._pools[arrival.cls][k].request(
                     "POST", self.encoder.path, list(headers.items()), body
                 )
         except TimeoutError:
@@ -214,8 +226,9 @@ class HttpTarget:
         return SendResult(Outcome.ERROR, resp.status, instance, _error_text(resp.body))
 
     async def aclose(self) -> None:
-        for pool in self._pools:
-            pool.close()
+        for pools in self._pools.values():
+            for pool in pools:
+                pool.close()
 
 
 SHED_PHRASES = {
