@@ -140,8 +140,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--connections",
         type=int,
         default=8000,
-        help="most connections the generator opens to an arm (default 8000); requests beyond "
-        "wait in its pool, first come first served, which hides the arm's own ordering",
+        help="most connections the generator opens to an arm, per URL and class (default "
+        "8000); requests beyond wait in its pool, first come first served, which hides the "
+        "arm's own ordering",
     )
     b.add_argument(
         "--overhead-parts",
