@@ -28,12 +28,13 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from proxy.bench.cpu import read_procs
+from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
+from proxy.fleet.http1 import Http1Pool
 
 Protocol = Literal["http", "grpc"]
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -156,18 +157,22 @@ Send = Callable[[int], Awaitable[None]]
 async def _http_sender(
     target: ClosedTarget, request: SimpleRequest, concurrency: int
 ) -> AsyncIterator[Send]:
+    # The proxy's own HTTP/1.1 client, as the open-loop generator uses (proxy/bench/runner.py):
+    # the client shares the machine with every arm, and aiohttp's cost it about twice the CPU.
     path, body, headers = request.http()
-    urls = [a.rstrip("/") + path for a in target.addresses]
-    connector = aiohttp.TCPConnector(limit=concurrency * len(urls), limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    pools = [Http1Pool(a.rstrip("/"), concurrency, 10.0) for a in target.addresses]
+    fields = list(headers.items())
+    try:
 
         async def send(k: int) -> None:
-            async with session.post(urls[k % len(urls)], data=body, headers=headers) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}")
+            resp = await pools[k % len(pools)].request("POST", path, fields, body)
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
 
         yield send
+    finally:
+        for pool in pools:
+            pool.close()
 
 
 @contextlib.asynccontextmanager
@@ -225,7 +230,13 @@ async def run_closed(
             counter += 1
             try:
                 await send(k)
-            except (aiohttp.ClientError, grpc.aio.AioRpcError, RuntimeError, OSError) as exc:
+            except (
+                UpstreamConnectError,
+                UpstreamLostError,
+                grpc.aio.AioRpcError,
+                RuntimeError,
+                OSError,
+            ) as exc:
                 if began >= start:
                     errors += 1
                     first_error = first_error or f"{type(exc).__name__}: {exc}"[:160]
