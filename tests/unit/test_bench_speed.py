@@ -96,8 +96,7 @@ async def test_http_closed_loop_sends_kserve_requests_and_counts_errors():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    target = ClosedTarget("http", (f"http://127.0.0.1:{port}",))
+    target = ClosedTarget("http", (f"http://127.0.0.1:{runner.addresses[0][1]}",))
     try:
         async with sender(target, SimpleRequest(api_key=None), 2) as send:
             latencies, errors, _, _, first = await run_closed(send, 2, 0.2, warmup_s=0.05)
