@@ -21,6 +21,10 @@ class FakeTriton:
         """``x-session-id`` of every infer request, in order."""
         self.hold: asyncio.Event | None = None
         """When set to an unset Event, infer requests wait for it."""
+        self.infer_status = 200
+        """The status infer requests are answered with."""
+        self.infer_sizes: list[tuple[int, str | None]] = []
+        """Body length and ``Inference-Header-Content-Length`` of every infer request."""
 
     def app(self) -> web.Application:
         async def ready(request: web.Request) -> web.Response:
@@ -30,12 +34,15 @@ class FakeTriton:
             return web.json_response({"max_batch_size": 8, "dynamic_batching": {}})
 
         async def infer(request: web.Request) -> web.Response:
-            await request.read()
+            body = await request.read()
             self.hits["infer"] += 1
             self.sessions.append(request.headers.get("x-session-id", ""))
+            self.infer_sizes.append(
+                (len(body), request.headers.get("Inference-Header-Content-Length"))
+            )
             if self.hold is not None:
                 await self.hold.wait()
-            return web.json_response({"outputs": []})
+            return web.json_response({"outputs": []}, status=self.infer_status)
 
         async def load(request: web.Request) -> web.Response:
             await request.read()

@@ -6,9 +6,17 @@ from __future__ import annotations
 import pytest
 
 from proxy.bench.cli import parse_workers, worker_suffix
-from proxy.bench.closed import ClosedReport, ClosedRun, SimpleRequest
+from proxy.bench.closed import (
+    ClosedReport,
+    ClosedRun,
+    ClosedTarget,
+    SimpleRequest,
+    run_closed,
+    sender,
+)
 from proxy.bench.routing import SimulatedFleet, measure_policy, render
 from proxy.routing.registry import POLICIES
+from tests.unit.fake_triton import fake_triton
 
 
 def test_worker_counts():
@@ -78,34 +86,14 @@ def test_routing_microbenchmark_times_every_policy():
 async def test_http_closed_loop_sends_kserve_requests_and_counts_errors():
     """The closed loop's HTTP client against a small server: every answered request is timed,
     and an answer other than 200 counts as an error, not as a latency."""
-    from aiohttp import web
-
-    from proxy.bench.closed import ClosedTarget, run_closed, sender
-
-    seen: list[tuple[str, int, str]] = []
-    status = {"code": 200}
-
-    async def infer(request: web.Request) -> web.Response:
-        body = await request.read()
-        seen.append((request.path, len(body), request.headers["Inference-Header-Content-Length"]))
-        return web.Response(status=status["code"], body=b"{}")
-
-    app = web.Application()
-    app.router.add_post("/v2/models/simple/infer", infer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    target = ClosedTarget("http", (f"http://127.0.0.1:{runner.addresses[0][1]}",))
-    try:
+    async with fake_triton() as (fake, url):
+        target = ClosedTarget("http", (url,))
         async with sender(target, SimpleRequest(api_key=None), 2) as send:
             latencies, errors, _, _, first = await run_closed(send, 2, 0.2, warmup_s=0.05)
         assert latencies and errors == 0 and first is None
-        path, size, header_len = seen[0]
-        assert path == "/v2/models/simple/infer" and size > int(header_len) > 0
-        status["code"] = 500
+        size, header_len = fake.infer_sizes[0]
+        assert header_len is not None and size > int(header_len) > 0
+        fake.infer_status = 500
         async with sender(target, SimpleRequest(api_key=None), 2) as send:
             latencies, errors, _, _, first = await run_closed(send, 2, 0.2, warmup_s=0.05)
         assert not latencies and errors > 0 and first is not None and "HTTP 500" in first
-    finally:
-        await runner.cleanup()
