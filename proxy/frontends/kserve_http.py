@@ -18,7 +18,10 @@ when binary tensors follow) is ever looked at; binary tensor bytes are never tou
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
 
 from proxy.errors import Code, ProxyError
 from proxy.request import NO_PARAMS, InferParams, params_from_mapping
@@ -28,6 +31,27 @@ _READABLE_ENCODINGS = frozenset(("identity", "gzip", "deflate"))
 # The only ways a JSON object key can spell "parameters": literally, or with \u escapes.
 _PARAMETERS_KEY = b'"parameters"'
 _UNICODE_ESCAPE = b"\\u"
+
+
+def _compact_json(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _loads(header: bytes) -> tuple[Any, Callable[[Any], bytes]]:
+    """The header's JSON, and the function that writes such a document back.
+
+    orjson first: reading and re-writing tritonclient's 308-byte header took 4.5 µs with it
+    against 21 µs with Python's json (`timeit`), and that rewrite was a tenth of the proxy's
+    CPU per request with classes on (py-spy, session 8). What orjson refuses but Python's json
+    reads (``NaN``, ``1e400``, lone surrogates, nesting past 1024) is read as before, so no
+    body is refused that was forwarded before; such a document must then be written back by
+    Python's json too (orjson writes ``NaN`` as ``null`` and refuses integers past 64 bits).
+    Raises ``ValueError`` or ``RecursionError`` when neither reads it.
+    """
+    try:
+        return orjson.loads(header), orjson.dumps
+    except orjson.JSONDecodeError:
+        return json.loads(header), _compact_json
 
 
 def check_content_encoding(content_encoding: str | None) -> None:
@@ -99,7 +123,7 @@ def read_params(body: bytes, header_length: str | None) -> InferParams:
     if not _may_hold_routing_parameters(header):
         return NO_PARAMS
     try:
-        doc = json.loads(header)
+        doc, _ = _loads(header)
     except (ValueError, RecursionError):
         return NO_PARAMS
     params = doc.get("parameters") if isinstance(doc, dict) else None
@@ -142,7 +166,7 @@ def with_parameters(
         new_header = header[: start + 1] + insert + rest
     else:
         try:
-            doc = json.loads(header)
+            doc, dumps = _loads(header)
         except (ValueError, RecursionError) as exc:
             raise _unreadable(f"its JSON does not parse ({exc})") from exc
         if not isinstance(doc, dict):
@@ -153,6 +177,6 @@ def with_parameters(
         if not isinstance(params, dict):
             raise _unreadable("'parameters' is not an object")
         params.update(values)
-        new_header = json.dumps(doc, separators=(",", ":")).encode()
+        new_header = dumps(doc)
     new_length = str(len(new_header)) if header_length is not None else None
     return new_header + tail, new_length

@@ -118,6 +118,31 @@ def test_the_class_priority_wins_over_any_spelling(header: bytes) -> None:
     assert all(v == 3 for v in _keys(new_body, "priority"))
 
 
+@pytest.mark.parametrize(
+    ("header", "kept"),
+    [
+        # What orjson refuses but Python's json reads, and Triton may accept: read and written
+        # back as before, never refused by the proxy nor changed in value.
+        (b'{"parameters":{"x":NaN},"inputs":[]}', b'"x":NaN'),
+        (b'{"parameters":{"x":1e400},"inputs":[]}', b'"x":Infinity'),
+        (b'{"parameters":{"x":"\\ud800"},"inputs":[]}', b'"x":"\\ud800"'),
+        # Read by orjson as the double Triton's RapidJSON reads from it too.
+        (
+            b'{"parameters":{"x":123456789012345678901234567890},"inputs":[]}',
+            b'"x":1.2345678901234568e+29',
+        ),
+        # Read by orjson: integers up to 64 bits unsigned stay exact.
+        (b'{"parameters":{"x":18446744073709551615},"inputs":[]}', b'"x":18446744073709551615'),
+        (b'{"parameters":{"x":-9223372036854775808},"inputs":[]}', b'"x":-9223372036854775808'),
+        (b'{"parameters":{"x":"\xc3\xa9"},"inputs":[]}', b'"x":"\xc3\xa9"'),
+    ],
+)
+def test_the_rewrite_keeps_values_either_parser_reads(header: bytes, kept: bytes) -> None:
+    new_body, _ = with_parameters(header, None, {"priority": 2})
+    assert json.loads(new_body)["parameters"]["priority"] == 2
+    assert kept in new_body
+
+
 # A body such as '{not json' gets the splice (nothing in it can name a parameter) and Triton
 # refuses it; one that might hold parameters but does not parse is refused here.
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b'{"parameters": {', b"garbage {"])
