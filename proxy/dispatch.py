@@ -369,10 +369,7 @@ class Dispatcher:
         """What placement needs to know about the request, and how to count it in flight."""
         call, arm, klass = r.call, r.arm, r.klass
         batch = r.info.max_batch_size if r.info is not None else 1
-        cap = None
-        if arm.admission is not None:
-            cls = arm.admission.config.classes.get(klass)
-            cap = cls.max_per_instance if cls is not None else None
+        cap = arm.admission.depth(call.model, klass) if arm.admission is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
         request = RouteRequest(

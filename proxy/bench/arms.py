@@ -26,7 +26,10 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_rank_lane``: ``proxy_long_lane`` with ``slot_sharing: by_rank`` (a class counts only
   the slots held by classes at least as important as itself); ``+idle`` also sends the long
   requests of uncapped classes to an idle instance while another one stays idle
-  (``long_to_idle``, ``idle_reserve: 1``).
+  (``long_to_idle``, ``idle_reserve: 1``);
+- ``proxy_shallow_lane``: ``proxy_rank_lane+idle`` whose lane runs the lowest class at
+  ``shallow_per_instance: 2`` per instance while it keeps up, and at 8 while a full round of 8
+  per lane instance is outstanding.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -77,6 +80,14 @@ issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per la
 one running and one forming."""
 
 
+SHALLOW_DEPTH = 2
+"""``shallow_per_instance`` of the throughput class in ``proxy_shallow_lane``: half a batch of
+the issue 10 scenarios' offline requests per lane instance (2 x 4 rows of ``max_batch_size``
+16), so online's long rows join batches of at most 9 rows (5 + 0.010 x 9 x 512 = 51 ms)
+instead of 13 (72 ms). Measured at x1 (2 repetitions): online P99 92 against 170 ms with
+the full depth; depth 1 gave 68 ms but lost a fifth of offline's completions at x1."""
+
+
 LANE_CONCURRENCY = 64
 """Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
 serves all the short work while the lane runs long work; with 2 x ``max_batch_size`` (32)
@@ -104,6 +115,9 @@ class ArmPlan:
     """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
     lowest_spare_instances: int = 0
     """``spare_instances`` of the lowest-ranked class (its long lane leaves these free)."""
+    lowest_shallow_per_instance: int | None = None
+    """``shallow_per_instance`` of the lowest-ranked class (its lane's depth while it keeps
+    up)."""
     policy_params: Mapping[str, Any] | None = None
     """The routing policy's parameters (none: its defaults)."""
 
@@ -197,6 +211,19 @@ def _catalog() -> dict[str, ArmPlan]:
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,
             lowest_spare_instances=1,
+            policy_params={"long_placement": "pack", "long_to_idle": True, "idle_reserve": 1},
+            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
+        ),
+        ArmPlan(
+            "proxy_shallow_lane",
+            "proxy",
+            "proxy_rank_lane+idle with a shallow lane: the lowest class at "
+            f"{SHALLOW_DEPTH} per instance until a full round at {LANE_DEPTH} is outstanding",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            lowest_shallow_per_instance=SHALLOW_DEPTH,
             policy_params={"long_placement": "pack", "long_to_idle": True, "idle_reserve": 1},
             scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
@@ -360,6 +387,9 @@ def proxy_policy(
             section["classes"][lowest]["max_per_instance"] = plan.lowest_max_per_instance
             if plan.lowest_spare_instances:
                 section["classes"][lowest]["spare_instances"] = plan.lowest_spare_instances
+            if plan.lowest_shallow_per_instance is not None:
+                shallow = plan.lowest_shallow_per_instance
+                section["classes"][lowest]["shallow_per_instance"] = shallow
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

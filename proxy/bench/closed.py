@@ -33,7 +33,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from proxy.bench.cpu import read_procs
-from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
+from proxy.fleet import http1
 from proxy.fleet.http1 import Http1Pool
 
 Protocol = Literal["http", "grpc"]
@@ -230,13 +230,7 @@ async def run_closed(
             counter += 1
             try:
                 await send(k)
-            except (
-                UpstreamConnectError,
-                UpstreamLostError,
-                grpc.aio.AioRpcError,
-                RuntimeError,
-                OSError,
-            ) as exc:
+            except (*http1.FAILURES, grpc.aio.AioRpcError, RuntimeError) as exc:
                 if began >= start:
                     errors += 1
                     first_error = first_error or f"{type(exc).__name__}: {exc}"[:160]

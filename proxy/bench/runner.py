@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import collector
 from proxy.bench.scenario import Arrival, ClassSpec, ModelSpec, Scenario
 from proxy.clock import Clock, MonotonicClock
-from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
+from proxy.fleet import http1
 from proxy.fleet.http1 import Http1Pool
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -214,7 +214,7 @@ class HttpTarget:
                 )
         except TimeoutError:
             return SendResult(Outcome.ERROR, 0, known, "client timeout")
-        except (UpstreamConnectError, UpstreamLostError, OSError) as exc:
+        except http1.FAILURES as exc:
             return SendResult(Outcome.ERROR, 0, known, f"{type(exc).__name__}: {exc}"[:120])
         instance = known
         if instance is None and self._header:

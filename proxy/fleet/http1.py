@@ -26,6 +26,9 @@ from urllib.parse import urlsplit
 
 from proxy.fleet.errors import UpstreamConnectError, UpstreamLostError
 
+FAILURES: tuple[type[Exception], ...] = (UpstreamConnectError, UpstreamLostError, OSError)
+"""What a :meth:`Http1Pool.request` raises when the exchange failed (a timeout aside)."""
+
 MAX_HEAD_BYTES = 64 * 1024
 """A response head larger than this is malformed (Triton's are a few hundred bytes)."""
 

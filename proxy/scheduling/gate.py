@@ -199,6 +199,13 @@ class Gate:
     def in_flight(self, class_name: str | None = None) -> int:
         return self._core.in_flight(class_name)
 
+    def depth(self, class_name: str) -> int | None:
+        """The class's per-instance cap now (``max_per_instance``, or
+        ``shallow_per_instance`` while the class keeps up), for placement."""
+        config = self._core.config
+        name = class_name if class_name in config.classes else config.default_class
+        return self._core.depth(name, max(1, self._instances()), self._clock.now())
+
     def poke(self) -> None:
         """Expire timed-out waiters and dispatch as capacity allows; call when capacity grows."""
         self._pump()

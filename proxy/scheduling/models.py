@@ -202,6 +202,14 @@ class ModelGates:
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
         return ModelAdmission(self.gate(model, info).admit(class_name, deadline), priority)
 
+    def depth(self, model: str, class_name: str) -> int | None:
+        """The class's per-instance cap for the model now (:meth:`Gate.depth`)."""
+        gate = self.gates.get(model)
+        if gate is not None:
+            return gate.depth(class_name)
+        cls = self.config.classes.get(class_name)
+        return cls.max_per_instance if cls is not None else None
+
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""
         return sum(gate.queued() for gate in self.gates.values())

@@ -112,8 +112,23 @@ class ClassQueues(Generic[T]):
 
     def _limit(self, name: str, capacity: int, instances: int, now: float) -> int:
         return self._config.classes[name].share_limit(
-            capacity, instances, self._scale.get(name, 1.0), self._keeps_spare(name, now)
+            capacity,
+            instances,
+            self._scale.get(name, 1.0),
+            self._keeps_spare(name, now),
+            self._outstanding(name),
         )
+
+    def _outstanding(self, name: str) -> int:
+        return len(self._queues[name]) + self._in_flight.get(name, 0)
+
+    def depth(self, name: str, instances: int, now: float) -> int | None:
+        """The class's per-instance cap now (:meth:`ClassConfig.depth`), for placement."""
+        cls = self._config.classes[name]
+        if cls.shallow_per_instance is None:
+            return cls.max_per_instance
+        lane = cls.lane(instances, self._keeps_spare(name, now))
+        return cls.depth(self._outstanding(name), lane)
 
     def _keeps_spare(self, name: str, now: float) -> bool:
         """Whether ``name``'s spare instances are kept for the more important classes: one
@@ -237,7 +252,11 @@ class ClassQueues(Generic[T]):
             cls = self._config.classes[name]
             held = self._in_flight.get(name, 0)
             limit = self._limit(name, capacity, instances, now)
-            short = min(cls.reserved(capacity, instances) - held, len(queue), limit - held)
+            short = min(
+                cls.reserved(capacity, instances, len(queue) + held) - held,
+                len(queue),
+                limit - held,
+            )
             if short > 0:
                 reserved[name] = short
         total_reserved = sum(reserved.values())

@@ -18,6 +18,7 @@ from proxy.bench.arms import (
     LANE_DEPTH,
     PRESETS,
     PREVIOUS_CONCURRENCY,
+    SHALLOW_DEPTH,
     parse_vm_rss_mib,
     proxy_policy,
     read_rss_mib,
@@ -341,6 +342,11 @@ def test_long_lane_policy():
     assert ranked.scheduling is not None and ranked.scheduling.slot_sharing == "by_rank"
     assert ranked.scheduling.classes == lane.scheduling.classes
     assert ranked.routing == lane.routing
+    shallow = config_mod.parse(proxy_policy(SERVERS, CATALOG["proxy_shallow_lane"], sc), "<t>")
+    assert shallow.scheduling is not None
+    off = shallow.scheduling.classes["offline"]
+    assert (off.max_per_instance, off.shallow_per_instance) == (LANE_DEPTH, SHALLOW_DEPTH)
+    assert SHALLOW_DEPTH < LANE_DEPTH
 
 
 def test_estimates():

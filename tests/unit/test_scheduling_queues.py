@@ -387,6 +387,59 @@ def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() ->
     assert pop_all(1.2) == 0
 
 
+def test_a_shallow_lane_deepens_while_a_full_round_is_outstanding() -> None:
+    # Depth 2 on each of the 2 lane instances while the class keeps up; 8 while 8 x 2 of it
+    # are queued or in flight.
+    q = make(
+        {
+            "rt": {"rank": 0},
+            "off": {
+                "rank": 1,
+                "max_per_instance": 8,
+                "shallow_per_instance": 2,
+                "spare_instances": 1,
+            },
+        }
+    )
+    q.push("r0", "rt", 0.0)  # rt active: the spare is kept, the lane is 2 of 3 instances
+    assert q.pop(0.0, 96, 3) is not None
+    for i in range(10):
+        q.push(f"o{i}", "off", 0.0)
+    assert q.depth("off", 3, 0.0) == 2
+
+    def pop_all() -> int:
+        n = 0
+        while q.pop(0.0, 96, 3) is not None:
+            n += 1
+        return n
+
+    assert pop_all() == 4  # 2 x 2
+    for i in range(10, 16):
+        q.push(f"o{i}", "off", 0.0)  # 12 queued + 4 in flight: a full round at depth 8
+    assert q.depth("off", 3, 0.0) == 8
+    assert pop_all() == 12  # up to 8 x 2 in flight
+    assert q.depth("off", 3, 0.0) == 8  # 16 outstanding, all in flight
+    q.release("off")
+    assert q.depth("off", 3, 0.0) == 2  # 15: arrivals stopped keeping up; the rest drain
+    for i in range(16, 20):
+        q.push(f"o{i}", "off", 0.0)
+    assert pop_all() == 1  # 19 outstanding: deep again, one free slot of 16
+    assert q.depth("rt", 3, 0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("cls", "error"),
+    [
+        ({"rank": 1, "shallow_per_instance": 2}, "needs max_per_instance"),
+        ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 3}, "between 1 and"),
+        ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 0}, "between 1 and"),
+    ],
+)
+def test_shallow_per_instance_is_checked(cls: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        make({"rt": {"rank": 0}, "off": cls})
+
+
 # -- slot_sharing: by_rank -------------------------------------------------------------------
 
 
