@@ -318,9 +318,8 @@ class Dispatcher:
         # Entered here (a client that leaves while queued leaves the queue at once), left by
         # whoever finishes the send.
         held = contextlib.AsyncExitStack()
-        priority = await held.enter_async_context(
-            admission.admit(call.model, r.info, r.klass, call.deadline)
-        )
+        admitted = admission.admit(call.model, r.info, r.klass, call.deadline)
+        priority = await held.enter_async_context(admitted)
         trace.queue_wait_s = time.perf_counter() - queued_at
 
         linger = r.upstream_cancels and not r.stream
@@ -330,7 +329,7 @@ class Dispatcher:
                 # At the head of its class queue: a request whose deadline passed goes no
                 # further.
                 deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-                placing = self._placing(r, priority)
+                placing = self._placing(r, priority, admitted.depth)
                 return await self._send(r, priority, placing, trace, linger=linger)
 
         if linger:
@@ -365,11 +364,16 @@ class Dispatcher:
                 )
         return Forward(priority, timeout_us)
 
-    def _placing(self, r: _Request[T], priority: int | None) -> Placing:
-        """What placement needs to know about the request, and how to count it in flight."""
+    def _placing(self, r: _Request[T], priority: int | None, depth: int | None = None) -> Placing:
+        """What placement needs to know about the request, and how to count it in flight.
+        ``depth``: the class's per-instance cap its gate slot was given under (else the
+        class's ``max_per_instance``)."""
         call, arm, klass = r.call, r.arm, r.klass
         batch = r.info.max_batch_size if r.info is not None else 1
-        cap = arm.admission.depth(call.model, klass) if arm.admission is not None else None
+        cap = depth
+        if cap is None and arm.admission is not None:
+            cls = arm.admission.config.classes.get(klass)
+            cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
         request = RouteRequest(

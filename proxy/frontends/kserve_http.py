@@ -41,8 +41,9 @@ def _loads(header: bytes) -> tuple[Any, Callable[[Any], bytes]]:
     """The header's JSON, and the function that writes such a document back.
 
     orjson first: reading and re-writing tritonclient's 308-byte header took 4.5 µs with it
-    against 21 µs with Python's json (`timeit`), and that rewrite was a tenth of the proxy's
-    CPU per request with classes on (py-spy, session 8). What orjson refuses but Python's json
+    against 21 µs with Python's json (`timeit`); with classes on, the proxy's CPU per request
+    fell from 0.561 to 0.535 ms (`benchmarks/cpu_ab.py`, 6 alternated rounds, session 8;
+    py-spy had put the rewrite at a tenth of the samples). What orjson refuses but Python's json
     reads (``NaN``, ``1e400``, lone surrogates, nesting past 1024) is read as before, so no
     body is refused that was forwarded before; such a document must then be written back by
     Python's json too (orjson writes ``NaN`` as ``null`` and refuses integers past 64 bits).

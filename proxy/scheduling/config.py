@@ -80,16 +80,18 @@ class ClassConfig:
     has been idle (nothing queued, nothing in flight, no arrival) for ``spare_idle_s``: with
     nobody to keep them for, they would only idle while the class's queue grows."""
     shallow_per_instance: int | None = None
-    """With ``max_per_instance``: the depth while the class keeps up. At most this many of
-    its requests are in flight per instance until the class has a full round at
-    ``max_per_instance`` outstanding (``max_per_instance x`` the lane's instances, queued and
-    in flight together); then ``max_per_instance``, until arrivals no longer keep up with
-    completions. Triton fills a batch from what is queued, so a shallow lane runs small
+    """With ``max_per_instance``: the depth while the class's queue moves. At most this many
+    of its requests are in flight per instance while the oldest one queued has waited less
+    than ``deepen_after_s``; ``max_per_instance`` while it has waited longer (the class is
+    not keeping up). Triton fills a batch from what is queued, so a shallow lane runs small
     batches of the class: a more important long request that lands there waits for a small
-    batch and runs in one (issue 10's case at x1, depth 2 against 8: online's P99 175 ->
-    92 ms, offline completions 502 -> 497 per 10 s). A backlog gets the full depth back,
-    where full batches pay (depth 2 alone lost 31-45 % of offline's completions at 1.5x and
-    2x the FIFO capacity)."""
+    batch and runs in one (issue 10's case at x1, fixed depth 2 against 8: online's P99
+    175 -> 92 ms, offline completions 502 -> 497 per 10 s). A backlog gets the full depth
+    back, where full batches pay (fixed depth 2 lost 31-45 % of offline's completions at
+    1.5x and 2x the FIFO capacity)."""
+    deepen_after_s: float = 1.0
+    """How long the class's oldest queued request may wait before its lane returns to
+    ``max_per_instance`` (with ``shallow_per_instance``)."""
     spare_idle_s: float = 1.0
     """How long the more important classes must have been idle before the class may use its
     ``spare_instances`` too."""
@@ -124,6 +126,8 @@ class ClassConfig:
             raise ValueError(f"spare_idle_s must be >= 0, got {self.spare_idle_s}")
         if self.spare_instances and self.max_per_instance is None:
             raise ValueError("spare_instances needs max_per_instance (the lane's depth)")
+        if not self.deepen_after_s > 0:
+            raise ValueError(f"deepen_after_s must be > 0, got {self.deepen_after_s}")
         if self.shallow_per_instance is not None:
             if self.max_per_instance is None:
                 raise ValueError("shallow_per_instance needs max_per_instance (the full depth)")
@@ -154,13 +158,14 @@ class ClassConfig:
         or all of them when the spares are lent (``spare=False``)."""
         return max(1, instances - self.spare_instances) if spare else instances
 
-    def depth(self, outstanding: int, lane: int) -> int | None:
-        """Requests of the class in flight per instance now, with ``outstanding`` of them
-        queued or in flight and ``lane`` instances to run on: ``shallow_per_instance`` until a
-        full round at ``max_per_instance`` is outstanding, then ``max_per_instance`` (None: no
-        per-instance cap)."""
+    def depth(self, waited_s: float | None = None) -> int | None:
+        """Requests of the class in flight per instance now, its oldest queued request having
+        waited ``waited_s`` (None: nothing queued): ``shallow_per_instance`` until that
+        reaches ``deepen_after_s``, then ``max_per_instance`` (None: no per-instance cap)."""
         full = self.max_per_instance
-        if full is None or self.shallow_per_instance is None or outstanding >= full * lane:
+        if full is None or self.shallow_per_instance is None:
+            return full
+        if waited_s is not None and waited_s >= self.deepen_after_s:
             return full
         return self.shallow_per_instance
 
@@ -170,12 +175,12 @@ class ClassConfig:
         instances: int = 1,
         scale: float = 1.0,
         spare: bool = True,
-        outstanding: int = 0,
+        waited_s: float | None = None,
     ) -> int:
         """Most slots this class may hold out of ``capacity`` over ``instances`` healthy
-        instances (max_share, max_concurrency, and the per-instance depth (:meth:`depth`,
-        with ``outstanding`` queued or in flight) over the instances of the class's lane
-        (:meth:`lane`)).
+        instances (max_share, max_concurrency, and the per-instance depth (:meth:`depth`, the
+        oldest queued request having waited ``waited_s``) over the instances of the class's
+        lane (:meth:`lane`)).
 
         Never below 1 while there is any capacity, so a small fleet cannot round a class to 0.
         ``scale`` (the class-limit loop's factor, <= 1) multiplies ``max_share`` but never takes
@@ -191,16 +196,16 @@ class ClassConfig:
         if self.max_concurrency is not None:
             limit = min(limit, self.max_concurrency)
         lane = self.lane(instances, spare)
-        depth = self.depth(outstanding, lane)
+        depth = self.depth(waited_s)
         if depth is not None:
             limit = min(limit, max(1, depth * lane))
         return limit
 
-    def reserved(self, capacity: int, instances: int = 1, outstanding: int = 0) -> int:
+    def reserved(self, capacity: int, instances: int = 1, waited_s: float | None = None) -> int:
         """Slots guaranteed to this class while it has work waiting (``min_share``)."""
         return min(
             math.floor(self.min_share * capacity + 1e-9),
-            self.share_limit(capacity, instances, outstanding=outstanding),
+            self.share_limit(capacity, instances, waited_s=waited_s),
         )
 
 

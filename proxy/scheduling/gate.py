@@ -102,14 +102,22 @@ class RecordingObserver(GateObserver):
 class Ticket:
     """A dispatched request's slot; released once, by the ``async with`` or by :meth:`release`."""
 
-    __slots__ = ("_gate", "_released", "class_name", "order", "waited_s")
+    __slots__ = ("_gate", "_released", "class_name", "depth", "order", "waited_s")
 
-    def __init__(self, gate: Gate, class_name: str, waited_s: float, order: int) -> None:
+    def __init__(
+        self, gate: Gate, class_name: str, waited_s: float, order: int, depth: int | None = None
+    ) -> None:
         self._gate = gate
         self._released = False
         self.class_name = class_name
         self.waited_s = waited_s
         self.order = order
+        self.depth = depth
+        """The class's per-instance cap when this slot was given (``max_per_instance``, or
+        ``shallow_per_instance`` while the class keeps up); placement must use this one, the
+        depth the gate's limit had, not the depth of a later moment: a lane that turned
+        shallow while its instances still ran a deep round would have no instance under the
+        cap but the spare."""
 
     @property
     def released(self) -> bool:
@@ -136,6 +144,10 @@ class Admission:
 
     async def __aenter__(self) -> Ticket:
         self._ticket = await self._gate._acquire(self._class_name, self._deadline)
+        return self._ticket
+
+    @property
+    def ticket(self) -> Ticket | None:
         return self._ticket
 
     async def __aexit__(
@@ -198,13 +210,6 @@ class Gate:
 
     def in_flight(self, class_name: str | None = None) -> int:
         return self._core.in_flight(class_name)
-
-    def depth(self, class_name: str) -> int | None:
-        """The class's per-instance cap now (``max_per_instance``, or
-        ``shallow_per_instance`` while the class keeps up), for placement."""
-        config = self._core.config
-        name = class_name if class_name in config.classes else config.default_class
-        return self._core.depth(name, max(1, self._instances()), self._clock.now())
 
     def poke(self) -> None:
         """Expire timed-out waiters and dispatch as capacity allows; call when capacity grows."""
@@ -318,7 +323,9 @@ class Gate:
                         self._core.release(entry.class_name)
                         self._fail(entry, ShedReason.LATE)
                         continue
-                    ticket = Ticket(self, entry.class_name, waited, self._order)
+                    # It was its class's oldest: the pop's limit had the depth of its wait.
+                    depth = self._core.config.classes[entry.class_name].depth(waited)
+                    ticket = Ticket(self, entry.class_name, waited, self._order, depth)
                     self._order += 1
                     self.lateness.on_dispatch(now)
                     future.set_result(ticket)

@@ -61,6 +61,12 @@ class ModelAdmission:
         await self._admission.__aenter__()
         return self._priority
 
+    @property
+    def depth(self) -> int | None:
+        """The class's per-instance cap the slot was given under (:attr:`Ticket.depth`)."""
+        ticket = self._admission.ticket
+        return ticket.depth if ticket is not None else None
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -201,14 +207,6 @@ class ModelGates:
         ``deadline``: the client's, if any (:meth:`Gate.admit`)."""
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
         return ModelAdmission(self.gate(model, info).admit(class_name, deadline), priority)
-
-    def depth(self, model: str, class_name: str) -> int | None:
-        """The class's per-instance cap for the model now (:meth:`Gate.depth`)."""
-        gate = self.gates.get(model)
-        if gate is not None:
-            return gate.depth(class_name)
-        cls = self.config.classes.get(class_name)
-        return cls.max_per_instance if cls is not None else None
 
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""

@@ -116,19 +116,13 @@ class ClassQueues(Generic[T]):
             instances,
             self._scale.get(name, 1.0),
             self._keeps_spare(name, now),
-            self._outstanding(name),
+            self._head_wait(name, now),
         )
 
-    def _outstanding(self, name: str) -> int:
-        return len(self._queues[name]) + self._in_flight.get(name, 0)
-
-    def depth(self, name: str, instances: int, now: float) -> int | None:
-        """The class's per-instance cap now (:meth:`ClassConfig.depth`), for placement."""
-        cls = self._config.classes[name]
-        if cls.shallow_per_instance is None:
-            return cls.max_per_instance
-        lane = cls.lane(instances, self._keeps_spare(name, now))
-        return cls.depth(self._outstanding(name), lane)
+    def _head_wait(self, name: str, now: float) -> float | None:
+        """How long the class's oldest queued request has waited (None: none queued)."""
+        queue = self._queues[name]
+        return now - next(iter(queue.values())).enqueued_at if queue else None
 
     def _keeps_spare(self, name: str, now: float) -> bool:
         """Whether ``name``'s spare instances are kept for the more important classes: one
@@ -253,7 +247,7 @@ class ClassQueues(Generic[T]):
             held = self._in_flight.get(name, 0)
             limit = self._limit(name, capacity, instances, now)
             short = min(
-                cls.reserved(capacity, instances, len(queue) + held) - held,
+                cls.reserved(capacity, instances, self._head_wait(name, now)) - held,
                 len(queue),
                 limit - held,
             )

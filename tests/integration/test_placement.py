@@ -47,7 +47,7 @@ def body(tokens: int) -> bytes:
                     "name": "INPUT_IDS",
                     "shape": [1, tokens],
                     "datatype": "INT64",
-                    "data": np.arange(1, tokens + 1).tolist(),
+                    "data": (np.arange(tokens) % 999 + 1).tolist(),  # accel_sim: ids < 1000
                 }
             ]
         }
@@ -154,4 +154,53 @@ async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
         assert set(statuses) == {200} and set(realtime) == {200}
         assert watch.dispatches["offline"] == 24
         assert max(watch.peak.values()) == 2, watch.peak
+        assert watch.widest == 2, watch.widest
+
+
+SHALLOW_POLICY: dict[str, Any] = {
+    **LANE_POLICY,
+    "scheduling": {
+        **LANE_POLICY["scheduling"],
+        "classes": {
+            **LANE_POLICY["scheduling"]["classes"],
+            "offline": {
+                **LANE_POLICY["scheduling"]["classes"]["offline"],
+                "max_per_instance": 4,
+                "shallow_per_instance": 1,
+                # accel_sim runs a 512-token row in about 4 ms here: a queue that has not
+                # moved for 20 ms is stuck.
+                "deepen_after_s": 0.02,
+            },
+        },
+    },
+}
+
+
+async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None:
+    # Offline at 1 per lane instance while its queue moves, at up to 4 per instance once its
+    # oldest queued request has waited deepen_after_s; never on the spare.
+    watch = LaneWatch()
+    with running_proxy(triton_fleet.servers, SHALLOW_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+
+            async def send(key: str, tokens: int) -> int:
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post(URL, data=body(tokens), headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+
+            assert await send(RT_KEY, 16) == 200  # real-time has been active
+            # As many as the shallow lane holds: nothing queues, so nothing deepens it. Long
+            # rows (about 40 ms each) and a real-time request meanwhile, whose dispatch the
+            # watch sees them from: one per instance, not two on one.
+            pending = [asyncio.ensure_future(send(OFF_KEY, 20_000)) for _ in range(2)]
+            await asyncio.sleep(0.015)
+            assert await send(RT_KEY, 16) == 200
+            few = await asyncio.gather(*pending)
+            shallow_peak = max(watch.peak.values())
+            many = await asyncio.gather(*(send(OFF_KEY, 512) for _ in range(60)))
+        assert set(few) == {200} and set(many) == {200}
+        assert shallow_peak <= 1, watch.peak
+        assert max(watch.peak.values()) == 4, watch.peak
         assert watch.widest == 2, watch.widest

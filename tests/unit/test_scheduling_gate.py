@@ -248,3 +248,34 @@ async def test_reconfigure_keeps_waiters(h: Harness) -> None:
     await holder
     assert (await waiter).class_name == "on"
     assert h.gate.in_flight() == 0
+
+
+async def test_a_ticket_carries_the_depth_its_slot_was_given_under() -> None:
+    # Placement caps the class per instance at the depth the gate's limit had for this slot:
+    # shallow (1) while the queue moves, full (3) for a request that waited deepen_after_s.
+    classes = {
+        "rt": {"rank": 0},
+        "off": {
+            "rank": 1,
+            "max_per_instance": 3,
+            "shallow_per_instance": 1,
+            "deepen_after_s": 1.0,
+        },
+    }
+    h = Harness(capacity=10, classes=classes, default_class="off")
+    hold = asyncio.Event()
+    first = h.start("off", hold)
+    await settle()
+    later = [h.start("off", hold) for _ in range(2)]
+    await settle()
+    assert h.gate.in_flight("off") == 1 and h.gate.queued("off") == 2  # shallow: 1 x 1
+    h.clock.advance(1.0)
+    h.gate.poke()
+    await settle()
+    assert h.gate.in_flight("off") == 3  # the head waited 1 s: full depth
+    hold.set()
+    tickets = await asyncio.gather(first, *later)
+    assert [t.depth for t in tickets] == [1, 3, 3]
+    async with h.gate.admit("rt") as ticket:
+        assert ticket.depth is None  # no per-instance cap
+    h.gate.close()

@@ -387,9 +387,9 @@ def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() ->
     assert pop_all(1.2) == 0
 
 
-def test_a_shallow_lane_deepens_while_a_full_round_is_outstanding() -> None:
-    # Depth 2 on each of the 2 lane instances while the class keeps up; 8 while 8 x 2 of it
-    # are queued or in flight.
+def test_a_shallow_lane_deepens_while_its_queue_is_stuck() -> None:
+    # Depth 2 on each of the 2 lane instances while the oldest queued offline request has
+    # waited less than 1 s; 8 while it has waited longer.
     q = make(
         {
             "rt": {"rank": 0},
@@ -397,34 +397,31 @@ def test_a_shallow_lane_deepens_while_a_full_round_is_outstanding() -> None:
                 "rank": 1,
                 "max_per_instance": 8,
                 "shallow_per_instance": 2,
+                "deepen_after_s": 1.0,
                 "spare_instances": 1,
             },
         }
     )
     q.push("r0", "rt", 0.0)  # rt active: the spare is kept, the lane is 2 of 3 instances
     assert q.pop(0.0, 96, 3) is not None
-    for i in range(10):
-        q.push(f"o{i}", "off", 0.0)
-    assert q.depth("off", 3, 0.0) == 2
 
-    def pop_all() -> int:
-        n = 0
-        while q.pop(0.0, 96, 3) is not None:
-            n += 1
-        return n
+    def pop_all(now: float) -> list[str]:
+        out = []
+        while (e := q.pop(now, 96, 3)) is not None:
+            out.append(e.item)
+        return out
 
-    assert pop_all() == 4  # 2 x 2
-    for i in range(10, 16):
-        q.push(f"o{i}", "off", 0.0)  # 12 queued + 4 in flight: a full round at depth 8
-    assert q.depth("off", 3, 0.0) == 8
-    assert pop_all() == 12  # up to 8 x 2 in flight
-    assert q.depth("off", 3, 0.0) == 8  # 16 outstanding, all in flight
-    q.release("off")
-    assert q.depth("off", 3, 0.0) == 2  # 15: arrivals stopped keeping up; the rest drain
-    for i in range(16, 20):
+    for i in range(20):
         q.push(f"o{i}", "off", 0.0)
-    assert pop_all() == 1  # 19 outstanding: deep again, one free slot of 16
-    assert q.depth("rt", 3, 0.0) is None
+    assert pop_all(0.5) == ["o0", "o1", "o2", "o3"]  # 2 x 2
+    # The head has waited 1 s: deep, as long as the head it reaches is that old.
+    assert pop_all(1.0) == [f"o{i}" for i in range(4, 16)]
+    q.push("o20", "off", 1.5)
+    for _ in range(14):
+        q.release("off")
+    assert pop_all(1.5) == ["o16", "o17", "o18", "o19"]  # 2 in flight + 4 popped...
+    assert pop_all(1.6) == []  # ...then the head (o20) is young: back to 2 per instance
+    assert q.in_flight("off") == 6
 
 
 @pytest.mark.parametrize(
@@ -433,6 +430,7 @@ def test_a_shallow_lane_deepens_while_a_full_round_is_outstanding() -> None:
         ({"rank": 1, "shallow_per_instance": 2}, "needs max_per_instance"),
         ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 3}, "between 1 and"),
         ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 0}, "between 1 and"),
+        ({"rank": 1, "deepen_after_s": 0}, "deepen_after_s must be > 0"),
     ],
 )
 def test_shallow_per_instance_is_checked(cls: dict[str, Any], error: str) -> None:
