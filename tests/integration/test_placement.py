@@ -5,6 +5,7 @@ real-time requests still go through while every server runs long work."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections import Counter
 from typing import Any
@@ -54,6 +55,14 @@ def body(tokens: int) -> bytes:
     ).encode()
 
 
+async def post(session: aiohttp.ClientSession, key: str, tokens: int) -> int:
+    """One accel_sim request of ``tokens`` in the class of API key ``key``; its status."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(URL, data=body(tokens), headers=headers) as resp:
+        await resp.read()
+        return resp.status
+
+
 class PerInstance(GateObserver):
     """On every dispatch, the most offline requests any one instance held."""
 
@@ -76,12 +85,7 @@ async def test_a_class_capped_per_instance_never_exceeds_its_cap(triton_fleet: A
     with running_proxy(triton_fleet.servers, POLICY, gate_observer=watch) as p:
         watch.proxy = p
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
-
-            async def send(key: str, tokens: int) -> int:
-                headers = {"Authorization": f"Bearer {key}"}
-                async with session.post(URL, data=body(tokens), headers=headers) as resp:
-                    await resp.read()
-                    return resp.status
+            send = functools.partial(post, session)
 
             offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
             await asyncio.sleep(0.3)
@@ -139,12 +143,7 @@ async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
     with running_proxy(triton_fleet.servers, LANE_POLICY, gate_observer=watch) as p:
         watch.proxy = p
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
-
-            async def send(key: str, tokens: int) -> int:
-                headers = {"Authorization": f"Bearer {key}"}
-                async with session.post(URL, data=body(tokens), headers=headers) as resp:
-                    await resp.read()
-                    return resp.status
+            send = functools.partial(post, session)
 
             assert await send(RT_KEY, 16) == 200  # real-time has been active
             offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
@@ -183,12 +182,7 @@ async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None
     with running_proxy(triton_fleet.servers, SHALLOW_POLICY, gate_observer=watch) as p:
         watch.proxy = p
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
-
-            async def send(key: str, tokens: int) -> int:
-                headers = {"Authorization": f"Bearer {key}"}
-                async with session.post(URL, data=body(tokens), headers=headers) as resp:
-                    await resp.read()
-                    return resp.status
+            send = functools.partial(post, session)
 
             assert await send(RT_KEY, 16) == 200  # real-time has been active
             # As many as the shallow lane holds: nothing queues, so nothing deepens it. Long

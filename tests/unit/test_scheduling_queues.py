@@ -17,10 +17,10 @@ def make(classes: dict[str, dict[str, Any]], **section: Any) -> ClassQueues[str]
     return ClassQueues(load_scheduling({"classes": classes, **section}))
 
 
-def drain(q: ClassQueues[str], now: float, capacity: int) -> list[str]:
+def drain(q: ClassQueues[str], now: float, capacity: int, instances: int = 1) -> list[str]:
     """Pop until nothing may be dispatched; slots stay taken."""
     out = []
-    while (e := q.pop(now, capacity)) is not None:
+    while (e := q.pop(now, capacity, instances)) is not None:
         out.append(e.item)
     return out
 
@@ -406,10 +406,7 @@ def test_a_shallow_lane_deepens_while_its_queue_is_stuck() -> None:
     assert q.pop(0.0, 96, 3) is not None
 
     def pop_all(now: float) -> list[str]:
-        out = []
-        while (e := q.pop(now, 96, 3)) is not None:
-            out.append(e.item)
-        return out
+        return drain(q, now, 96, instances=3)
 
     for i in range(20):
         q.push(f"o{i}", "off", 0.0)
