@@ -28,8 +28,8 @@ Every arm sends the same schedule to the same local Triton servers:
   requests of uncapped classes to an idle instance while another one stays idle
   (``long_to_idle``, ``idle_reserve: 1``);
 - ``proxy_shallow_lane``: ``proxy_rank_lane+idle`` whose lane runs the lowest class at
-  ``shallow_per_instance: 2`` per instance while it keeps up, and at 8 while a full round of 8
-  per lane instance is outstanding.
+  ``shallow_per_instance: 2`` per instance while its queue moves, and at 8 once its oldest
+  queued request has waited ``deepen_after_s`` (1 s).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -218,7 +218,7 @@ def _catalog() -> dict[str, ArmPlan]:
             "proxy_shallow_lane",
             "proxy",
             "proxy_rank_lane+idle with a shallow lane: the lowest class at "
-            f"{SHALLOW_DEPTH} per instance until a full round at {LANE_DEPTH} is outstanding",
+            f"{SHALLOW_DEPTH} per instance, {LANE_DEPTH} once its queue has waited 1 s",
             policy="expected_start",
             classes=True,
             lowest_max_per_instance=LANE_DEPTH,
