@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -63,14 +64,31 @@ class ModelAbsentError(Exception):
 
 _MODEL_ABSENT = re.compile(
     r"Request for unknown model: '[^']*' (?:has no available versions|is not found|is not ready)"
+    r"|Stub process '[^']*' is not healthy\.?"
 )
 """Triton's words for "this model is not here" (2.51: 404 / NOT_FOUND "Request for unknown
 model: 'm' has no available versions" after an unload). "... 'm' version 7 is not found" is
-about a version the client asked for, not about the model, and does not match."""
+about a version the client asked for, not about the model, and does not match. Also a model
+whose Python backend stub died (500 / INTERNAL "Stub process 'm_0_0' is not healthy."):
+Triton still reports it ready and fails every request, so it is routed elsewhere like an
+absent one (seen after SIGSTOP and SIGCONT of a server, session 8; the request did not run)."""
 
 
 def says_model_absent(message: str) -> bool:
-    return _MODEL_ABSENT.search(message) is not None
+    """Whether Triton's error ``message`` (its text, or its HTTP error body
+    ``{"error": ...}``) is, whole, one of the answers above. Whole: an error that merely
+    quotes such words (an input name a client chose, echoed back) takes nothing out of
+    rotation."""
+    if message.startswith("{"):
+        try:
+            doc = json.loads(message)
+        except ValueError:
+            return False
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if not isinstance(error, str):
+            return False
+        message = error
+    return _MODEL_ABSENT.fullmatch(message) is not None
 
 
 class Placement(Protocol):

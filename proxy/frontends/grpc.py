@@ -43,6 +43,12 @@ from proxy.scheduling.cost import check_shapes, cost_of, grpc_shapes
 
 log = logging.getLogger(__name__)
 
+# Codes of Triton's "model not servable here" answers (proxy.dispatch.says_model_absent):
+# NOT_FOUND / UNAVAILABLE for an unknown or unloaded model, INTERNAL for a dead Python stub.
+_MAYBE_ABSENT = frozenset(
+    (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+)
+
 SERVICE = "inference.GRPCInferenceService"
 # Besides HTTP's hop-by-hop headers: gRPC's own, which each channel sets for itself.
 _NOT_FORWARDED = HOP_BY_HOP | {"content-type", "user-agent"}
@@ -258,7 +264,7 @@ class GrpcFrontend:
                 )
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
-                absent = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                absent = exc.code() in _MAYBE_ABSENT
                 if absent and says_model_absent(details):
                     raise ModelAbsentError(details, exc) from exc
                 raise

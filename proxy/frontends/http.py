@@ -74,6 +74,9 @@ HOP_BY_HOP = frozenset(
 )
 
 _JSON = (("Content-Type", "application/json"),)
+# Statuses of Triton's "model not servable here" answers (proxy.dispatch.says_model_absent):
+# 400/404 for an unknown or unloaded model, 500 for a dead Python backend stub.
+_MAYBE_ABSENT = frozenset((400, 404, 500))
 
 
 def _forward_headers(
@@ -282,7 +285,7 @@ class HttpFrontend:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise http_failure(exc, before_response=False) from exc
             answer = Response(upstream.status, data, out_headers.items())
-            if dispatched and upstream.status in (400, 404):
+            if dispatched and upstream.status in _MAYBE_ABSENT:
                 text = data.decode(errors="replace")
                 if says_model_absent(text):
                     raise ModelAbsentError(text, answer)
@@ -324,7 +327,7 @@ class HttpFrontend:
             rt.health.check_soon(instance)
         out = [(k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP]
         response = Response(answer.status, answer.body, out)
-        if dispatched and answer.status in (400, 404):
+        if dispatched and answer.status in _MAYBE_ABSENT:
             text = answer.body.decode(errors="replace")
             if says_model_absent(text):
                 raise ModelAbsentError(text, response)

@@ -279,6 +279,17 @@ async def test_policy_watch_survives_an_unexpected_error(tmp_path: Path) -> None
         ("Request for unknown model: 'simple' is not found", True),
         ("Request for unknown model: 'simple' version 7 is not found", False),
         ("unexpected shape for input 'INPUT0' for model 'simple'", False),
+        ('{"error":"Request for unknown model: \'simple\' is not found"}', True),
+        ("Stub process 'simple_0_0' is not healthy.", True),
+        ('{"error":"Stub process \'simple_0_0\' is not healthy."}', True),
+        # Quoted inside another error (a client's input name echoed back): not Triton's answer.
+        ("unexpected inference input 'Stub process 'x' is not healthy.' for model 's'", False),
+        (
+            json.dumps({"error": "input 'Request for unknown model: 's' is not found'"}),
+            False,
+        ),
+        ('{"error": 5}', False),
+        ("{not json", False),
     ],
 )
 def test_only_a_missing_model_takes_it_out_of_rotation(message: str, absent: bool) -> None:
