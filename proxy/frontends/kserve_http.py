@@ -37,6 +37,15 @@ def _compact_json(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def _orjson_dumps(doc: Any) -> bytes:
+    try:
+        return orjson.dumps(doc)
+    except orjson.JSONEncodeError:
+        # orjson writes at most 254 levels of nesting but reads 1024: Python's json writes
+        # what it can (deeper raises RecursionError, a 400 in with_parameters).
+        return _compact_json(doc)
+
+
 def _loads(header: bytes) -> tuple[Any, Callable[[Any], bytes]]:
     """The header's JSON, and the function that writes such a document back.
 
@@ -50,7 +59,7 @@ def _loads(header: bytes) -> tuple[Any, Callable[[Any], bytes]]:
     Raises ``ValueError`` or ``RecursionError`` when neither reads it.
     """
     try:
-        return orjson.loads(header), orjson.dumps
+        return orjson.loads(header), _orjson_dumps
     except orjson.JSONDecodeError:
         return json.loads(header), _compact_json
 
@@ -178,6 +187,9 @@ def with_parameters(
         if not isinstance(params, dict):
             raise _unreadable("'parameters' is not an object")
         params.update(values)
-        new_header = dumps(doc)
+        try:
+            new_header = dumps(doc)
+        except RecursionError as exc:
+            raise _unreadable("its JSON is nested too deeply") from exc
     new_length = str(len(new_header)) if header_length is not None else None
     return new_header + tail, new_length

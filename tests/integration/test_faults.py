@@ -198,8 +198,12 @@ def test_sigkill_one_of_three_under_load(triton_fleet: Any) -> None:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    # The server and its python-backend stubs share a process group (its pid).
-    os.killpg(pid, sig)
+    # The server process only, not its Python backend stubs (its process group): stopped
+    # together, the stubs sometimes did not survive the resume (dead stub answering 500 for
+    # ever, or the server aborting on a boost::interprocess lock_exception; CI, session 8),
+    # which broke the server for the tests after this one. A stalled server is the fault
+    # under test; its stubs stalled with it only tested Triton's python backend.
+    os.kill(pid, sig)
 
 
 def test_sigstop_one_of_three_under_load(triton_fleet: Any) -> None:

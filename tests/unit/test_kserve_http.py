@@ -143,6 +143,19 @@ def test_the_rewrite_keeps_values_either_parser_reads(header: bytes, kept: bytes
     assert kept in new_body
 
 
+@pytest.mark.parametrize("depth", [100, 300, 1000, 5000])
+def test_deeply_nested_parameters_are_rewritten_or_refused_never_a_crash(depth: int) -> None:
+    # orjson reads 1024 levels and writes 254; Python's json has its own limits. Either the
+    # priority is set or the request is refused with 400, never an internal error.
+    header = b'{"parameters":{"a":' + b"[" * depth + b"]" * depth + b'},"inputs":[]}'
+    try:
+        new_body, _ = with_parameters(header, None, {"priority": 2})
+    except ProxyError as exc:
+        assert exc.code is Code.INVALID_ARG
+    else:
+        assert json.loads(new_body)["parameters"]["priority"] == 2
+
+
 # A body such as '{not json' gets the splice (nothing in it can name a parameter) and Triton
 # refuses it; one that might hold parameters but does not parse is refused here.
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b'{"parameters": {', b"garbage {"])
