@@ -79,6 +79,15 @@ _JSON = (("Content-Type", "application/json"),)
 _MAYBE_ABSENT = frozenset((400, 404, 500))
 
 
+def _raise_if_absent(status: int, body: bytes, answer: Response) -> None:
+    """Raise :class:`ModelAbsentError` (with ``answer`` for the client if nowhere else
+    serves) when Triton's answer says the model is not servable on that instance."""
+    if status in _MAYBE_ABSENT:
+        text = body.decode(errors="replace")
+        if says_model_absent(text):
+            raise ModelAbsentError(text, answer)
+
+
 def _forward_headers(
     headers: CIMultiDictProxy[str],
     private: frozenset[str] = frozenset(),
@@ -285,10 +294,8 @@ class HttpFrontend:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise http_failure(exc, before_response=False) from exc
             answer = Response(upstream.status, data, out_headers.items())
-            if dispatched and upstream.status in _MAYBE_ABSENT:
-                text = data.decode(errors="replace")
-                if says_model_absent(text):
-                    raise ModelAbsentError(text, answer)
+            if dispatched:
+                _raise_if_absent(upstream.status, data, answer)
             return answer
         response = request.start_stream(upstream.status, out_headers.items())
         try:
@@ -327,10 +334,8 @@ class HttpFrontend:
             rt.health.check_soon(instance)
         out = [(k, v) for k, v in answer.headers if k.lower() not in HOP_BY_HOP]
         response = Response(answer.status, answer.body, out)
-        if dispatched and answer.status in _MAYBE_ABSENT:
-            text = answer.body.decode(errors="replace")
-            if says_model_absent(text):
-                raise ModelAbsentError(text, response)
+        if dispatched:
+            _raise_if_absent(answer.status, answer.body, response)
         return response
 
     # --- everything else ------------------------------------------------------------------
