@@ -9,8 +9,8 @@ without classes, and reads the CPU time of every thread of the proxy process fro
 The fake server's answer costs nothing to compute, so the figure is the proxy's own cost per
 request; alternating the checkouts round by round spreads a noisy machine's drift over all of
 them. Prints the median over rounds per (checkout, protocol, classes). ``--floor`` also measures a
-bare byte pipe in Python (``PIPE``) in front of the same fake server: the floor of any proxy
-written like this one.
+bare byte pipe in Python (``PIPE``, HTTP) and a bare grpc.aio relay (``GRPC_PIPE``) in front of
+the same fake server: the floor of any proxy written like this one.
 """
 
 from __future__ import annotations
@@ -88,6 +88,24 @@ class Down(asyncio.Protocol):
 async def main():
     server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", 0)
     print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+# The gRPC floor: a bare grpc.aio relay (generic handler, bytes in and out, one pooled
+# channel), which is how the proxy's gRPC frontend is built. What any proxy on grpc.aio pays.
+GRPC_PIPE = """
+import asyncio, sys, grpc, uvloop
+async def main():
+    call = grpc.aio.insecure_channel(sys.argv[1]).unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer")
+    async def model_infer(request, context): return await call(request)
+    handler = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer)})
+    server = grpc.aio.server(); server.add_generic_rpc_handlers([handler])
+    port = server.add_insecure_port("127.0.0.1:0"); await server.start()
+    print(port, flush=True)
     await asyncio.Event().wait()
 uvloop.run(main())
 """
@@ -190,22 +208,25 @@ async def one(
             proc.wait(30)
 
 
-async def floor(http_port: str, seconds: float) -> tuple[float, float]:
-    """(req/s, CPU ms per request) of the byte pipe (``PIPE``) over HTTP."""
+async def floor(protocol: str, upstream: str, seconds: float) -> tuple[float, float]:
+    """(req/s, CPU ms per request) of the bare relay: ``PIPE`` over HTTP (``upstream``: the
+    fake server's HTTP port), ``GRPC_PIPE`` over gRPC (its gRPC address)."""
+    script = PIPE if protocol == "http" else GRPC_PIPE
     pipe = subprocess.Popen(
-        [sys.executable, "-c", PIPE, http_port], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, upstream], stdout=subprocess.PIPE, text=True
     )
     try:
         assert pipe.stdout is not None
         port = pipe.stdout.readline().strip()
-        target = ClosedTarget("http", (f"http://127.0.0.1:{port}",))
+        address = f"http://127.0.0.1:{port}" if protocol == "http" else f"127.0.0.1:{port}"
+        target = ClosedTarget(protocol, (address,))
         async with sender(target, SimpleRequest(api_key=None), 16) as send:
             await run_closed(send, 16, 1.0, warmup_s=0.0)
             before = thread_cpu_s(pipe.pid)
             lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
             after = thread_cpu_s(pipe.pid)
         if errors:
-            raise RuntimeError(f"{errors} errors through the pipe: {err}")
+            raise RuntimeError(f"{errors} errors through the {protocol} pipe: {err}")
         return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
     finally:
         pipe.kill()
@@ -219,7 +240,9 @@ async def main() -> int:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
     p.add_argument(
-        "--floor", action="store_true", help="also measure a bare byte pipe (HTTP) each round"
+        "--floor",
+        action="store_true",
+        help="also measure a bare relay each round (HTTP byte pipe, gRPC grpc.aio relay)",
     )
     p.add_argument("--py-spy", metavar="DIR", help="also write py-spy raw stacks of each run here")
     args = p.parse_args()
@@ -230,14 +253,16 @@ async def main() -> int:
         http_port, grpc_port = fake.stdout.readline().split()
         http, grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        floors: list[tuple[float, float]] = []
+        floors: dict[str, list[tuple[float, float]]] = {}
         for r in range(args.rounds):
             if args.floor:
-                floors.append(await floor(http_port, args.seconds))
-                print(
-                    f"round {r + 1} floor: byte pipe: {floors[-1][0]:6.0f} req/s  "
-                    f"{floors[-1][1]:.3f} ms/req"
-                )
+                for protocol, upstream in (("http", http_port), ("grpc", grpc_address)):
+                    got = await floor(protocol, upstream, args.seconds)
+                    floors.setdefault(protocol, []).append(got)
+                    print(
+                        f"round {r + 1} floor: {protocol} relay: {got[0]:6.0f} req/s  "
+                        f"{got[1]:.3f} ms/req"
+                    )
             for config in args.configs.split(","):
                 protocol, classes = config.split("+")[0], config.endswith("+classes")
                 order = trees[r % len(trees) :] + trees[: r % len(trees)]
@@ -260,10 +285,10 @@ async def main() -> int:
                 rps = statistics.median(x for x, _ in runs)
                 cells.append(f"{tree.name}: {cpu:.3f} ({rps:.0f})")
             print(f"  {config:<13} " + "   ".join(cells))
-        if floors:
-            cpu = statistics.median(c for _, c in floors)
-            rps = statistics.median(x for x, _ in floors)
-            print(f"  byte pipe     {cpu:.3f} ({rps:.0f})")
+        for protocol, runs in floors.items():
+            cpu = statistics.median(c for _, c in runs)
+            rps = statistics.median(x for x, _ in runs)
+            print(f"  {protocol} relay    {cpu:.3f} ({rps:.0f})")
     finally:
         fake.kill()
         fake.wait()
