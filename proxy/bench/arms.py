@@ -311,8 +311,8 @@ def scheduling_section(scenario: Scenario) -> dict[str, Any]:
 
     Rank follows the SLO (tightest first; classes without one last), ties broken by Triton
     priority (1 first, 0 = unset last) and then file order. Each class keeps its Triton
-    priority and SLO; each class's ``api_key`` maps to it. Unknown callers get the least
-    important class, never the most.
+    priority, SLO and ``min_share``; each class's ``api_key`` maps to it. Unknown callers get
+    the least important class, never the most.
     """
     names = list(scenario.class_names)
 
@@ -330,6 +330,8 @@ def scheduling_section(scenario: Scenario) -> dict[str, Any]:
         entry: dict[str, Any] = {"rank": rank, "triton_priority": spec.triton_priority}
         if spec.slo_p99_ms is not None:
             entry["slo_p99_ms"] = spec.slo_p99_ms
+        if spec.min_share:
+            entry["min_share"] = spec.min_share
         classes[name] = entry
         if spec.api_key:
             if spec.api_key in keys:

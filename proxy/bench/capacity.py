@@ -16,7 +16,8 @@ figures; ``triton-proxy bench`` prints them before a run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import numpy as np
 from numpy.typing import NDArray
@@ -114,6 +115,13 @@ def fifo_capacity(
     )
 
 
+def class_capacity(scenario: Scenario, name: str, *, servers: int = 3) -> float:
+    """Requests per second the fleet completes of class ``name`` alone: :func:`fifo_capacity`
+    of a scenario holding only that class (its batches hold its requests only)."""
+    only = replace(scenario, classes=MappingProxyType({name: scenario.classes[name]}))
+    return fifo_capacity(only, servers=servers, requests=20_000).requests_per_s
+
+
 def fifo_batches(
     rows: NDArray[np.int64], tokens: NDArray[np.int64], max_batch_size: int
 ) -> list[tuple[int, int]]:
@@ -133,7 +141,8 @@ def fifo_batches(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m proxy.bench.capacity SCENARIO.yaml [...]``: print each one's FIFO capacity."""
+    """``python -m proxy.bench.capacity SCENARIO.yaml [...]``: print each one's FIFO capacity,
+    and what each class with a ``min_share`` is guaranteed."""
     import argparse
 
     from proxy.bench.scenario import load_scenario
@@ -143,8 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=int, default=3)
     args = parser.parse_args(argv)
     for path in args.scenario:
-        cap = fifo_capacity(load_scenario(path), servers=args.servers)
+        sc = load_scenario(path)
+        cap = fifo_capacity(sc, servers=args.servers)
         print(f"{path}: {cap.render(args.servers)}")
+        for name, spec in sc.classes.items():
+            if spec.min_share:
+                alone = class_capacity(sc, name, servers=args.servers)
+                print(
+                    f"  {name}: {alone:.0f} req/s alone; min_share {spec.min_share:g} = "
+                    f"{spec.min_share * alone:.1f} req/s"
+                )
     return 0
 
 

@@ -514,7 +514,7 @@ async def _bench(
             (folder / "cpu.txt").write_text(meter.render() + "\n")
             (folder / "cpu.json").write_text(json.dumps(meter.to_dict(), indent=1) + "\n")
             print(render_table(report) + "\n\n" + meter.render(), flush=True)
-        summary = sweep_summary(reports, baseline_arms(plans))
+        summary = sweep_summary(reports, baseline_arms(plans), servers=args.instances)
         (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")
         text = render_sweep(summary)
         (out / "sweep.txt").write_text(text + "\n")

@@ -118,10 +118,16 @@ class ClassSpec:
     """Number of distinct session ids (header ``x-session-id``); 0 sends none."""
     bursts: tuple[Burst, ...] = ()
     """Requests dropped at once on top of the Poisson arrivals (see :class:`Burst`)."""
+    min_share: float = 0.0
+    """The class's guaranteed share of the fleet: proxy arms with classes set it as the
+    class's ``min_share``. For a class without an SLO the sweep checks it in every 10 s
+    window (:func:`proxy.bench.sweep.window_floor`)."""
 
     def __post_init__(self) -> None:
         if not self.rate_rps >= 0:
             raise ValueError(f"rate_rps must be >= 0, got {self.rate_rps}")
+        if not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
         if not self.sizes:
             raise ValueError("sizes must list at least one bucket")
         if self.triton_priority < 0:
@@ -303,6 +309,7 @@ class Scenario:
                     "slo_p99_ms": c.slo_p99_ms,
                     "api_key": c.api_key,
                     "sessions": c.sessions,
+                    "min_share": c.min_share,
                 }
                 for name, c in self.classes.items()
             },

@@ -18,7 +18,11 @@ Definitions (what ``sweep.txt`` / ``sweep.json`` report):
   sweep from a light load, e.g. ``--scale 0.25``).
 - **Throughput classes** (no SLO): completions per 10 s window (:data:`WINDOW_S`) of the
   measured period, the minimum over windows and repetitions, next to what the class offered
-  per window on average.
+  per window on average. A throughput class with a ``min_share`` is *guaranteed* that share of
+  the fleet: its floor per window is ``min_share`` x what the fleet completes of that class
+  alone (:func:`proxy.bench.capacity.class_capacity`) x the window. It *holds its share* at a
+  load point when its minimum window reaches the floor; where it offers less than the floor
+  per window it is not backlogged, and the point is not judged (:func:`window_floor`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.capacity import class_capacity
 from proxy.bench.results import Report
+from proxy.bench.scenario import Scenario
 
 SLO_ATTAINMENT = 0.99
 """Fraction of a class's requests that must complete within its SLO to meet it."""
@@ -62,12 +68,13 @@ def best_baseline(report: Report, baselines: Sequence[str]) -> str | None:
 
 
 def sweep_summary(
-    reports: Sequence[tuple[float, Report]], baselines: Sequence[str] = ()
+    reports: Sequence[tuple[float, Report]], baselines: Sequence[str] = (), servers: int = 3
 ) -> dict[str, Any]:
     """Per scale, arm and class: pooled figures, ratios vs the best baseline, windows, memory.
 
     ``reports`` are the sweep's load points (load factor, report); ``baselines`` names the arms
-    that count as baselines (see the module doc).
+    that count as baselines (see the module doc); ``servers``: the fleet's size (for the
+    throughput classes' ``min_share`` floors).
     """
     out: dict[str, Any] = {
         "scales": [s for s, _ in reports],
@@ -103,6 +110,7 @@ def sweep_summary(
                 mins = [m for a in reps if (m := a.min_window(cls)) is not None]
                 window_s = reps[0].window_s if reps else 0.0
                 width = min(window_s, sc.duration_s)
+                floor = window_floor(sc, cls, width, servers)
                 ratio_p99 = _ratio(report, arm, cls, "p99_ms", best)
                 ratio_p50 = _ratio(report, arm, cls, "p50_ms", best)
                 out["points"].append(
@@ -126,6 +134,8 @@ def sweep_summary(
                         "errors": c.error + c.unfinished,
                         "window_min": min(mins) if mins else None,
                         "window_offered": spec.mean_rate_rps(sc.duration_s) * width,
+                        "window_floor": floor,
+                        "share_held": (None if floor is None or not mins else min(mins) >= floor),
                         "p99_vs_best": ratio_p99,
                         "p50_vs_best": ratio_p50,
                         "proxy_rss_mib_max": max(r["max"] for r in rss) if rss else None,
@@ -153,6 +163,17 @@ def _ratio(report: Report, arm: str, cls: str, metric: str, best: str | None) ->
     finally:
         report.baseline = saved
     return s.median if s is not None else None
+
+
+def window_floor(scenario: Scenario, cls: str, width_s: float, servers: int) -> float | None:
+    """Completions per window that ``cls``'s ``min_share`` guarantees (module doc); None when
+    the class sets no share, has an SLO (judged by that) or offers no more than the floor per
+    window."""
+    spec = scenario.classes[cls]
+    if not spec.min_share or spec.slo_p99_ms is not None:
+        return None
+    floor = spec.min_share * class_capacity(scenario, cls, servers=servers) * width_s
+    return floor if spec.mean_rate_rps(scenario.duration_s) * width_s > floor else None
 
 
 def meets_slos(points: Sequence[Mapping[str, Any]], arm: str, scale: float) -> bool | None:
@@ -277,6 +298,7 @@ def render_sweep(summary: Mapping[str, Any]) -> str:
                     text += f" [{p['p99_vs_best']:.2f}x]" if p["p99_vs_best"] is not None else ""
                 cells.append(f"{text:>34}")
             lines.append(f"{arm:<{w}}" + "".join(cells) + f"{shed:>8}{_fmt(rss, 0):>10}")
+        lines += _share_lines([p for p in points if p["scale"] == s])
     lines += [
         "",
         f"Goodput (every SLO class >= {100 * SLO_ATTAINMENT:g}% within its SLO at this "
@@ -291,6 +313,21 @@ def render_sweep(summary: Mapping[str, Any]) -> str:
         ratios = "; ".join(f"{k} {v}" for k, v in g.items() if k.startswith("vs_"))
         lines.append(f"  {arm:<28} {where:<22} {ratios}")
     return "\n".join(lines)
+
+
+def _share_lines(points: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per throughput class with a ``min_share`` floor at this load point."""
+    out = []
+    for cls in dict.fromkeys(p["class"] for p in points if p.get("window_floor") is not None):
+        mine = [p for p in points if p["class"] == cls]
+        floor = mine[0]["window_floor"]
+        held = [p["arm"] for p in mine if p["share_held"]]
+        missed = [f"{p['arm']} ({p['window_min']})" for p in mine if p["share_held"] is False]
+        out.append(
+            f"{cls} min_share floor {floor:.0f}/win: held by {', '.join(held) or 'none'}"
+            + (f"; missed by {', '.join(missed)}" if missed else "")
+        )
+    return out
 
 
 def plot_sweep(summary: Mapping[str, Any], path: Path) -> Path:

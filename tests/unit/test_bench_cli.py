@@ -263,9 +263,19 @@ def test_scheduling_section_ranks_ties_and_classes_without_slo():
     # SLO first; equal SLO: priority 2 before unset (0); then file order; no SLO last.
     assert list(section["classes"]) == ["fast", "b", "c", "a", "bulk"]
     assert "slo_p99_ms" not in section["classes"]["bulk"]
+    assert not any("min_share" in c for c in section["classes"].values())
     assert section["api_keys"] == {"kb": {"class_name": "b"}, "ka": {"class_name": "a"}}
     assert section["default_class"] == "bulk"
     load_scheduling(section)
+
+
+def test_scheduling_section_carries_a_min_share():
+    sc = scenario(
+        rt=ClassSpec(rate_rps=1, slo_p99_ms=100), bulk=ClassSpec(rate_rps=1, min_share=0.1)
+    )
+    section = scheduling_section(sc)
+    assert section["classes"]["bulk"]["min_share"] == 0.1
+    assert load_scheduling(section).classes["bulk"].min_share == 0.1
 
 
 def test_scheduling_section_rejects_shared_api_keys():

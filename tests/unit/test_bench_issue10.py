@@ -24,7 +24,7 @@ from proxy.bench.arms import (
     read_rss_mib,
     resolve_arms,
 )
-from proxy.bench.capacity import fifo_batches, fifo_capacity
+from proxy.bench.capacity import class_capacity, fifo_batches, fifo_capacity
 from proxy.bench.results import (
     PROXY_RSS,
     ArmResult,
@@ -43,7 +43,13 @@ from proxy.bench.scenario import (
     load_scenario,
     parse_scenario,
 )
-from proxy.bench.sweep import best_baseline, goodput, goodput_ratio, sweep_summary
+from proxy.bench.sweep import (
+    best_baseline,
+    goodput,
+    goodput_ratio,
+    sweep_summary,
+    window_floor,
+)
 from proxy.strict import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,6 +183,29 @@ def test_fifo_capacity_of_a_uniform_mix_is_exact():
     assert cap.sorted_requests_per_s == pytest.approx(cap.requests_per_s)
     assert cap.rho == pytest.approx(50 / cap.requests_per_s)
     assert cap.scale_for(1.0) * cap.rho == pytest.approx(1.0)
+
+
+def test_class_capacity_counts_that_class_alone():
+    # "a": 1 row of 100 tokens, batches of 16 in 37 ms; "b" (long) would pad a FIFO mix
+    sc = parse_scenario(
+        {
+            "duration_s": 10,
+            "model": {"parameters": {"base_ms": 5, "per_token_us": 20}},
+            "classes": {
+                "a": {"rate_rps": 50, "sizes": [{"tokens": [100, 100]}]},
+                "b": {"rate_rps": 50, "sizes": [{"tokens": [512, 512], "rows": 4}]},
+            },
+        }
+    )
+    assert class_capacity(sc, "a", servers=3) == pytest.approx(3 * 16 / 0.037)
+    # 4 requests of 4 rows per batch, padded to 512: 5 + 0.02 * 16 * 512 ms
+    assert class_capacity(sc, "b", servers=2) == pytest.approx(2 * 4 / 0.16884)
+    assert fifo_capacity(sc).requests_per_s < class_capacity(sc, "a")
+
+
+def test_min_share_is_a_fraction():
+    with pytest.raises(ConfigError, match="min_share"):
+        parse_scenario({"classes": {"a": {"rate_rps": 1, "min_share": 1.5}}})
 
 
 def test_fifo_capacity_matches_mixed_yaml_comment():
@@ -484,6 +513,55 @@ def test_sweep_points_carry_ratios_windows_and_best_baseline():
     text = bench_cli.render_sweep(summary)
     assert "Goodput" in text and "best baseline rr" in text
     assert json.dumps(summary)
+
+
+def shared(min_share: float, rate: float, windows: dict[str, list[int]]) -> dict:
+    """A sweep of one load point whose throughput class "off" (1 row of 100 tokens: the
+    fleet completes 3 x 16 / 37 ms = 1297 req/s of it alone) has ``min_share``."""
+    sc = parse_scenario(
+        {
+            "duration_s": 10,
+            "model": {"parameters": {"base_ms": 5, "per_token_us": 20}},
+            "classes": {
+                "rt": {"rate_rps": 10, "slo_p99_ms": 100},
+                "off": {
+                    "rate_rps": rate,
+                    "sizes": [{"tokens": [100, 100]}],
+                    "min_share": min_share,
+                },
+            },
+        }
+    )
+    rep = Repetition(index=0, seed=1, order=list(windows))
+    for name, off in windows.items():
+        a = ArmResult(name=name)
+        a.classes["rt"] = stats([10.0] * 100, 100)
+        a.classes["off"] = stats([1000.0] * 10, None)
+        a.windows = {"rt": [50], "off": off}
+        rep.arms[name] = a
+    r = Report(scenario=sc, arms=list(windows), baseline=None, repetitions=[rep])
+    return sweep_summary([(1.0, r)], [], servers=3)
+
+
+def test_a_throughput_class_holds_its_min_share_per_window():
+    floor = 0.1 * 3 * 16 / 0.037 * 10  # 1297 req/s alone, 10 s windows
+    summary = shared(0.1, 2000, {"keeps": [2000, int(floor) + 1], "starves": [2000, 100]})
+    off = {p["arm"]: p for p in summary["points"] if p["class"] == "off"}
+    assert off["keeps"]["window_floor"] == pytest.approx(floor)
+    assert off["keeps"]["share_held"] is True and off["starves"]["share_held"] is False
+    rt = next(p for p in summary["points"] if p["class"] == "rt")
+    assert rt["window_floor"] is None and rt["share_held"] is None  # judged by its SLO
+    text = bench_cli.render_sweep(summary)
+    assert f"off min_share floor {floor:.0f}/win: held by keeps; missed by starves (100)" in text
+
+
+def test_a_min_share_is_not_judged_where_the_class_offers_less():
+    # offers 1000 per window, less than its floor of 1297: not backlogged, not judged
+    summary = shared(0.1, 100, {"a": [3]})
+    off = next(p for p in summary["points"] if p["class"] == "off")
+    assert off["window_floor"] is None and off["share_held"] is None
+    assert "min_share floor" not in bench_cli.render_sweep(summary)
+    assert window_floor(SC2, "off", 10.0, 3) is None  # no min_share
 
 
 def test_shed_reason_reads_every_message_the_proxy_sends():
