@@ -4,8 +4,9 @@
 
 Each round starts, for every checkout in turn, ``triton-proxy serve`` from that checkout (one
 process) in front of one fake Triton (aiohttp HTTP + grpc.aio, answering at once, in its own
-process), drives it closed-loop at concurrency 16 for ``--seconds`` over HTTP or gRPC, with and
-without classes, and reads the CPU time of every thread of the proxy process from ``/proc``.
+process), drives it closed-loop at concurrency 16 (``--concurrency``) for ``--seconds`` over
+HTTP or gRPC, with and without classes, and reads the CPU time of every thread of the proxy
+process from ``/proc``.
 The fake server's answer costs nothing to compute, so the figure is the proxy's own cost per
 request; alternating the checkouts round by round spreads a noisy machine's drift over all of
 them. Prints the median over rounds per (checkout, protocol, classes). ``--floor`` also measures a
@@ -32,7 +33,13 @@ import yaml
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from proxy.bench.closed import ClosedTarget, SimpleRequest, run_closed, sender  # noqa: E402
+from proxy.bench.closed import (  # noqa: E402
+    ClosedTarget,
+    Protocol,
+    SimpleRequest,
+    run_closed,
+    sender,
+)
 
 FAKE = """
 import asyncio, sys, grpc, uvloop
@@ -138,6 +145,7 @@ async def one(
     classes: bool,
     seconds: float,
     profile: Path | None = None,
+    concurrency: int = 16,
 ) -> tuple[float, float]:
     """(req/s, CPU ms per request) of one proxy run from ``tree``.
 
@@ -182,8 +190,8 @@ async def one(
             else:
                 target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
             request = SimpleRequest(api_key="ab-key" if classes else None)
-            async with sender(target, request, 16) as send:
-                await run_closed(send, 16, 1.0, warmup_s=0.0)  # connections, caches
+            async with sender(target, request, concurrency) as send:
+                await run_closed(send, concurrency, 1.0, warmup_s=0.0)  # connections, caches
                 spy = None
                 if profile is not None:
                     spy = subprocess.Popen(
@@ -196,7 +204,9 @@ async def one(
                         stderr=subprocess.DEVNULL,
                     )
                 before = thread_cpu_s(proc.pid)
-                lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
+                lat, errors, secs, _, err = await run_closed(
+                    send, concurrency, seconds, warmup_s=0.0
+                )
                 after = thread_cpu_s(proc.pid)
                 if spy is not None:
                     spy.wait(30)
@@ -208,7 +218,9 @@ async def one(
             proc.wait(30)
 
 
-async def floor(protocol: str, upstream: str, seconds: float) -> tuple[float, float]:
+async def floor(
+    protocol: Protocol, upstream: str, seconds: float, concurrency: int = 16
+) -> tuple[float, float]:
     """(req/s, CPU ms per request) of the bare relay: ``PIPE`` over HTTP (``upstream``: the
     fake server's HTTP port), ``GRPC_PIPE`` over gRPC (its gRPC address)."""
     script = PIPE if protocol == "http" else GRPC_PIPE
@@ -220,10 +232,10 @@ async def floor(protocol: str, upstream: str, seconds: float) -> tuple[float, fl
         port = pipe.stdout.readline().strip()
         address = f"http://127.0.0.1:{port}" if protocol == "http" else f"127.0.0.1:{port}"
         target = ClosedTarget(protocol, (address,))
-        async with sender(target, SimpleRequest(api_key=None), 16) as send:
-            await run_closed(send, 16, 1.0, warmup_s=0.0)
+        async with sender(target, SimpleRequest(api_key=None), concurrency) as send:
+            await run_closed(send, concurrency, 1.0, warmup_s=0.0)
             before = thread_cpu_s(pipe.pid)
-            lat, errors, secs, _, err = await run_closed(send, 16, seconds, warmup_s=0.0)
+            lat, errors, secs, _, err = await run_closed(send, concurrency, seconds, warmup_s=0.0)
             after = thread_cpu_s(pipe.pid)
         if errors:
             raise RuntimeError(f"{errors} errors through the {protocol} pipe: {err}")
@@ -238,6 +250,7 @@ async def main() -> int:
     p.add_argument("trees", nargs="+", help="checkouts to compare (the proxy package's root)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
     p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
     p.add_argument(
         "--floor",
@@ -256,8 +269,12 @@ async def main() -> int:
         floors: dict[str, list[tuple[float, float]]] = {}
         for r in range(args.rounds):
             if args.floor:
-                for protocol, upstream in (("http", http_port), ("grpc", grpc_address)):
-                    got = await floor(protocol, upstream, args.seconds)
+                floor_of: tuple[tuple[Protocol, str], ...] = (
+                    ("http", http_port),
+                    ("grpc", grpc_address),
+                )
+                for protocol, upstream in floor_of:
+                    got = await floor(protocol, upstream, args.seconds, args.concurrency)
                     floors.setdefault(protocol, []).append(got)
                     print(
                         f"round {r + 1} floor: {protocol} relay: {got[0]:6.0f} req/s  "
@@ -272,11 +289,12 @@ async def main() -> int:
                         Path(args.py_spy).mkdir(parents=True, exist_ok=True)
                         profile = Path(args.py_spy) / f"{tree.name}-{config}-r{r + 1}.txt"
                     rps, cpu = await one(
-                        tree, http, grpc_address, protocol, classes, args.seconds, profile
+                        *(tree, http, grpc_address, protocol, classes, args.seconds, profile),
+                        concurrency=args.concurrency,
                     )
                     results.setdefault((str(tree), config), []).append((rps, cpu))
                     print(f"round {r + 1} {config:<13} {tree}: {rps:6.0f} req/s  {cpu:.3f} ms/req")
-        print("\nmedian over rounds: CPU ms per request (req/s at concurrency 16)")
+        print(f"\nmedian over rounds: CPU ms per request (req/s at concurrency {args.concurrency})")
         for config in args.configs.split(","):
             cells = []
             for tree in trees:
@@ -285,10 +303,10 @@ async def main() -> int:
                 rps = statistics.median(x for x, _ in runs)
                 cells.append(f"{tree.name}: {cpu:.3f} ({rps:.0f})")
             print(f"  {config:<13} " + "   ".join(cells))
-        for protocol, runs in floors.items():
+        for relay, runs in floors.items():
             cpu = statistics.median(c for _, c in runs)
             rps = statistics.median(x for x, _ in runs)
-            print(f"  {protocol} relay    {cpu:.3f} ({rps:.0f})")
+            print(f"  {relay} relay    {cpu:.3f} ({rps:.0f})")
     finally:
         fake.kill()
         fake.wait()
