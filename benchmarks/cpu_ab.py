@@ -82,14 +82,17 @@ class Up(asyncio.Protocol):
     def connection_lost(self, exc): self.down.close()
 class Down(asyncio.Protocol):
     def connection_made(self, transport):
-        self.transport, self.up = transport, None
+        self.transport, self.up, self.early = transport, None, []
         transport.pause_reading()
         asyncio.ensure_future(self.connect())
     async def connect(self):
         loop = asyncio.get_running_loop()
         self.up, _ = await loop.create_connection(lambda: Up(self.transport), "127.0.0.1", UP)
+        for data in self.early: self.up.write(data)  # read before the pause took hold
         self.transport.resume_reading()
-    def data_received(self, data): self.up.write(data)
+    def data_received(self, data):
+        if self.up is None: self.early.append(data)
+        else: self.up.write(data)
     def connection_lost(self, exc):
         if self.up: self.up.close()
 async def main():
