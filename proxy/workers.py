@@ -64,6 +64,8 @@ from proxy.scheduling.config import SchedulingConfig
 log = logging.getLogger(__name__)
 
 STATE_FILE = "fleet.pickle"
+FORWARDED = frozenset((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+"""The signals the supervisor forwards to its workers."""
 DRAIN_POLL_S = 0.05
 """How often a follower reads the state and answers while a drain mark is set."""
 
@@ -451,14 +453,26 @@ class Supervisor:
         self._stopping = False
 
     def _fork(self, role: WorkerRole, config: ProxyConfig) -> int:
+        """Fork one worker. The forwarded signals stay blocked across the fork until the child
+        has reset them to their defaults: before, a SIGTERM that reached a worker just forked
+        (a restart, then a stop) ran the supervisor's handler inherited by the child, which
+        forwarded it and swallowed it; the worker then served on, and the supervisor waited
+        for it forever (CI, ``test_workers``)."""
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            raise
         if pid == 0:  # the worker
             code = 1
             try:
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                for sig in FORWARDED:
                     signal.signal(sig, signal.SIG_DFL)
+                # One that came in the meantime now takes its default action.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
                 _die_with_parent()
                 code = self.worker_main(role, config)
             except SystemExit as exc:
@@ -470,6 +484,7 @@ class Supervisor:
                 sys.stderr.flush()
                 os._exit(code)
         self.children[pid] = role.index
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # now a forward reaches it too
         return pid
 
     def _signal_all(self, sig: int) -> None:
@@ -491,7 +506,7 @@ class Supervisor:
                 self._stopping = True
             self._signal_all(signum)
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in FORWARDED:
             signal.signal(sig, forward)
         roles = [WorkerRole(i, self.count, state_dir) for i in range(self.count)]
         try:

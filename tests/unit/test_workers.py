@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -306,6 +307,42 @@ async def test_workers_reload_on_sighup_and_a_dead_worker_is_replaced(tmp_path):
         finally:
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+# A supervisor (its SIGTERM handler forwards and returns) forks workers and stops each one at
+# once: a worker that ran the supervisor's handler instead of dying is still there after 5 s.
+_STOP_JUST_FORKED = """
+import os, signal, sys, tempfile, time
+from pathlib import Path
+from proxy.workers import Supervisor, WorkerRole
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+sup = Supervisor(1, None, lambda role, config: time.sleep(30) or 0)
+role = WorkerRole(0, 1, Path(tempfile.mkdtemp()))
+for attempt in range(40):
+    pid = sup._fork(role, None)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            sys.exit(f"attempt {attempt}: a worker stopped just after its fork served on")
+        time.sleep(0.01)
+    sup.children.pop(pid)
+"""
+
+
+def test_a_worker_stopped_just_after_its_fork_stops():
+    """The supervisor's SIGTERM handler is not the worker's, not even between the fork and
+    the worker's own set-up (a restarted worker stopped at once used to serve on)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STOP_JUST_FORKED],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 async def test_only_the_leader_worker_fans_model_control_out(tmp_path):
