@@ -95,6 +95,7 @@ def sweep_summary(
                 "best_baseline_top_p99_ms": _p99(report, best, top),
             }
         )
+        floors: dict[tuple[str, float], float | None] = {}  # the same for every arm
         for arm in report.arms:
             reps = [r.arms[arm] for r in report.repetitions if arm in r.arms]
             rss = [a.proxy_rss_mib for a in reps if a.proxy_rss_mib]
@@ -110,7 +111,9 @@ def sweep_summary(
                 mins = [m for a in reps if (m := a.min_window(cls)) is not None]
                 window_s = reps[0].window_s if reps else 0.0
                 width = min(window_s, sc.duration_s)
-                floor = window_floor(sc, cls, width, servers)
+                if (cls, width) not in floors:
+                    floors[(cls, width)] = window_floor(sc, cls, width, servers)
+                floor = floors[(cls, width)]
                 ratio_p99 = _ratio(report, arm, cls, "p99_ms", best)
                 ratio_p50 = _ratio(report, arm, cls, "p50_ms", best)
                 out["points"].append(
