@@ -311,9 +311,7 @@ def test_issue10_preset():
         "haproxy_leastconn",
         "haproxy_random2",
         "proxy_previous_best",
-        "proxy_class_aware",
-        "proxy_class_aware+adaptive",
-        "proxy_long_lane",
+        "proxy_shallow_lane",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
