@@ -8,6 +8,10 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``haproxy_leastconn`` / ``haproxy_random2`` / ``haproxy_session``: HAProxy from Debian;
 - ``proxy_<policy>``: triton-proxy with routing policy ``<policy>`` and no classes (every
   request dispatched at once);
+- ``proxy_rr_priority``: ``rr_priority`` through the proxy (``round_robin``, no classes, the
+  client's priority passed on as sent): the same decisions as ``rr_priority``, so the
+  difference between the two is what the proxy itself costs at that load (the sweep reports
+  it, :mod:`proxy.bench.sweep`);
 - ``proxy_<policy>+classes``: the same with a ``scheduling:`` section built from the
   scenario's classes (:func:`scheduling_section`): class queues, Triton priority per class,
   API keys deciding the class, everything else the policy file's defaults;
@@ -105,7 +109,8 @@ class ArmPlan:
     kind: Literal["direct", "haproxy", "proxy"]
     description: str
     priority: bool = False
-    """The client sets each class's Triton priority itself (direct arms)."""
+    """The client sets each class's Triton priority itself (direct arms; a proxy without
+    classes passes it on as sent)."""
     balance: Balance | None = None
     policy: str | None = None
     classes: bool = False
@@ -144,6 +149,16 @@ def _catalog() -> dict[str, ArmPlan]:
         ArmPlan(f"proxy_{p}", "proxy", f"triton-proxy, {p}, no classes", policy=p)
         for p in PROXY_POLICIES
     ]
+    plans.append(
+        ArmPlan(
+            "proxy_rr_priority",
+            "proxy",
+            "rr_priority through triton-proxy: round_robin, no classes, the client's Triton "
+            "priority passed on as sent (what the proxy itself costs at a load)",
+            priority=True,
+            policy="round_robin",
+        )
+    )
     plans += [
         ArmPlan(
             f"proxy_{p}+classes",
@@ -693,6 +708,7 @@ def build_arm(
     return ArmSpec.started(
         arm_name,
         start_proxy,
+        priority=plan.priority,
         description=f"{plan.description} ({mode})",
         probe=probe,
     )

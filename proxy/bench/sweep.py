@@ -23,6 +23,12 @@ Definitions (what ``sweep.txt`` / ``sweep.json`` report):
   alone (:func:`proxy.bench.capacity.class_capacity`) x the window. It *holds its share* at a
   load point when its minimum window reaches the floor; where it offers less than the floor
   per window it is not backlogged, and the point is not judged (:func:`window_floor`).
+- **The proxy's own cost** at a load point, when the sweep has both arms of
+  :data:`COST_ARMS`: per SLO class, the pooled P50 and P99 of ``proxy_rr_priority`` (the proxy
+  making ``rr_priority``'s decisions) minus ``rr_priority``'s. Issue 10 judges the proxy at
+  light loads against "the best baseline plus the proxy's own overhead"; this is that
+  overhead measured in the scenario itself (same fleet, same CPU contention), not on an idle
+  fleet at concurrency 1. A P99 difference is noisy: read it with its repetitions.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from proxy.bench.scenario import Scenario
 SLO_ATTAINMENT = 0.99
 """Fraction of a class's requests that must complete within its SLO to meet it."""
 QUEUEING_FACTOR = 2.0
+COST_ARMS = ("proxy_rr_priority", "rr_priority")
+"""(with the proxy, without): the same routing decisions, the difference is the proxy's cost."""
 
 
 def top_class(report: Report) -> str:
@@ -93,6 +101,7 @@ def sweep_summary(
                 "best_baseline": best,
                 "top_class": top,
                 "best_baseline_top_p99_ms": _p99(report, best, top),
+                "proxy_cost_ms": proxy_cost(report),
             }
         )
         floors: dict[tuple[str, float], float | None] = {}  # the same for every arm
@@ -146,6 +155,27 @@ def sweep_summary(
                     }
                 )
     out["goodput"] = goodput(out)
+    return out
+
+
+def proxy_cost(report: Report) -> dict[str, dict[str, float]] | None:
+    """Per SLO class, ``{"p50_ms", "p99_ms"}``: :data:`COST_ARMS`' pooled difference (None
+    without both arms)."""
+    with_proxy, without = COST_ARMS
+    if with_proxy not in report.arms or without not in report.arms:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for cls in slo_classes(report):
+        a, b = report.merged(with_proxy, cls), report.merged(without, cls)
+        if a is None or b is None:
+            continue
+        diffs = {
+            k: getattr(a, k) - getattr(b, k)
+            for k in ("p50_ms", "p99_ms")
+            if getattr(a, k) is not None and getattr(b, k) is not None
+        }
+        if diffs:
+            out[cls] = diffs
     return out
 
 
@@ -302,6 +332,7 @@ def render_sweep(summary: Mapping[str, Any]) -> str:
                 cells.append(f"{text:>34}")
             lines.append(f"{arm:<{w}}" + "".join(cells) + f"{shed:>8}{_fmt(rss, 0):>10}")
         lines += _share_lines([p for p in points if p["scale"] == s])
+        lines += _cost_lines(load.get("proxy_cost_ms"))
     lines += [
         "",
         f"Goodput (every SLO class >= {100 * SLO_ATTAINMENT:g}% within its SLO at this "
@@ -316,6 +347,17 @@ def render_sweep(summary: Mapping[str, Any]) -> str:
         ratios = "; ".join(f"{k} {v}" for k, v in g.items() if k.startswith("vs_"))
         lines.append(f"  {arm:<28} {where:<22} {ratios}")
     return "\n".join(lines)
+
+
+def _cost_lines(cost: Mapping[str, Mapping[str, float]] | None) -> list[str]:
+    if not cost:
+        return []
+    with_proxy, without = COST_ARMS
+    parts = [
+        f"{cls} P50 {d.get('p50_ms', math.nan):+.1f} / P99 {d.get('p99_ms', math.nan):+.1f} ms"
+        for cls, d in cost.items()
+    ]
+    return [f"the proxy's own cost ({with_proxy} - {without}, pooled): " + "; ".join(parts)]
 
 
 def _share_lines(points: Sequence[Mapping[str, Any]]) -> list[str]:

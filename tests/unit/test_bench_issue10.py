@@ -513,6 +513,30 @@ def test_sweep_points_carry_ratios_windows_and_best_baseline():
     assert json.dumps(summary)
 
 
+def test_the_proxys_own_cost_is_rr_priority_through_it_minus_rr_priority():
+    r = report({"rr_priority": (20, 30, 0), "proxy_rr_priority": (21.5, 33, 0)}, 0.5)
+    load = sweep_summary([(0.5, r)], ["rr_priority"])["loads"][0]
+    cost = load["proxy_cost_ms"]
+    assert set(cost) == {"rt", "on"}  # SLO classes only
+    assert cost["rt"]["p99_ms"] == pytest.approx(1.5, abs=0.05)
+    assert cost["on"]["p50_ms"] == pytest.approx(3.0, abs=0.05)
+    text = bench_cli.render_sweep(sweep_summary([(0.5, r)], ["rr_priority"]))
+    assert "the proxy's own cost (proxy_rr_priority - rr_priority, pooled): rt P50 +1.5" in text
+    # without the pair, nothing is claimed
+    alone = report({"rr_priority": (20, 30, 0)}, 0.5)
+    assert sweep_summary([(0.5, alone)], ["rr_priority"])["loads"][0]["proxy_cost_ms"] is None
+    assert "own cost" not in bench_cli.render_sweep(sweep_summary([(0.5, alone)], []))
+
+
+def test_proxy_rr_priority_is_a_proxy_arm_whose_client_sets_the_priority():
+    plan = CATALOG["proxy_rr_priority"]
+    assert plan.kind == "proxy" and plan.priority and not plan.classes
+    assert plan.policy == "round_robin"
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    doc = config_mod.parse(proxy_policy(SERVERS, plan, sc), "<t>")
+    assert doc.scheduling is None  # no classes: the client's priority is forwarded as sent
+
+
 def shared(min_share: float, rate: float, windows: dict[str, list[int]]) -> dict:
     """A sweep of one load point whose throughput class "off" (1 row of 100 tokens: the
     fleet completes 3 x 16 / 37 ms = 1297 req/s of it alone) has ``min_share``."""
