@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
+import time
+import urllib.request
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from proxy import config as config_mod
 from proxy.app import BoundPorts, ProxyServer
 from proxy.cli import local_policy
+from proxy.local import TritonServer
 
 T = TypeVar("T")
 
@@ -86,3 +90,24 @@ async def _leftover_tasks() -> list[str]:
     await asyncio.sleep(0.05)  # let cancelled handlers finish unwinding
     me = asyncio.current_task()
     return [t.get_name() for t in asyncio.all_tasks() if t is not me and not t.done()]
+
+
+def triton_successes(server: TritonServer, model: str) -> int:
+    """What Triton itself counted: successful inferences of ``model`` on this server."""
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/stats", timeout=5) as r:
+        stats = json.loads(r.read())
+    return sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])
+
+
+def settled_successes(servers: Sequence[TritonServer], model: str) -> dict[str, int]:
+    """Each server's count once it has stopped moving. Triton counts a success after it has
+    sent the answer, so a request just answered (this test's last, or an earlier test's) may
+    not be counted yet: one such request moved a count by one in CI (``a55dcc6``)."""
+    counts = {s.name: triton_successes(s, model) for s in servers}
+    for _ in range(50):
+        time.sleep(0.1)
+        again = {s.name: triton_successes(s, model) for s in servers}
+        if again == counts:
+            return counts
+        counts = again
+    raise AssertionError(f"Triton's success counts for {model!r} kept moving: {counts}")

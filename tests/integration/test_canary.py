@@ -3,12 +3,10 @@ side, and promotion and rollback as policy edits that drop no request."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ import yaml
 
 from proxy.canary import CANARY, MAIN
 from proxy.local import TritonServer
-from tests.integration.harness import policy_for, running_proxy
+from tests.integration.harness import policy_for, running_proxy, settled_successes
 
 pytestmark = pytest.mark.integration
 
@@ -35,27 +33,6 @@ def write_policy(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(doc))
     os.replace(tmp, path)
-
-
-def triton_successes(server: TritonServer, model: str) -> int:
-    """What Triton itself counted: successful inferences of ``model`` on this server."""
-    with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/stats", timeout=5) as r:
-        stats = json.loads(r.read())
-    return sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])
-
-
-def settled_successes(servers: list[TritonServer], model: str) -> dict[str, int]:
-    """Each server's count once it has stopped moving. Triton counts a success after it has
-    sent the answer, so a request just answered (this test's last, or an earlier test's) may
-    not be counted yet: one such request moved a count by one in CI (``a55dcc6``)."""
-    counts = {s.name: triton_successes(s, model) for s in servers}
-    for _ in range(50):
-        time.sleep(0.1)
-        again = {s.name: triton_successes(s, model) for s in servers}
-        if again == counts:
-            return counts
-        counts = again
-    raise AssertionError(f"Triton's success counts for {model!r} kept moving: {counts}")
 
 
 def inputs() -> list[httpclient.InferInput]:

@@ -37,7 +37,7 @@ from proxy.fleet.instances import Instance
 from proxy.fleet.model_control import ModelControl, batching_window_us, with_batching_window
 from proxy.local import LocalFleet, TritonServer, group_members, sigterm_raises_exit
 from proxy.observer import RequestRecord
-from tests.integration.harness import ProxyThread, policy_for, running_proxy
+from tests.integration.harness import ProxyThread, policy_for, running_proxy, settled_successes
 
 pytestmark = pytest.mark.integration
 
@@ -505,12 +505,6 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def triton_successes(server: TritonServer) -> int:
-    with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as c:
-        stats = c.get_inference_statistics(MODEL)
-    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-
-
 def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -> None:
     """With ``dry_run: true`` the batching loop decides to lengthen the window (an offline
     backlog, the realtime SLO holding): the decision is logged and exported, and yet Triton's
@@ -535,7 +529,7 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
             },
         },
     }
-    before = {s.name: triton_successes(s) for s in fleet.servers}
+    before = settled_successes(fleet.servers, MODEL)
     for server in fleet.servers:
         assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
     lines = Lines()
@@ -584,10 +578,10 @@ def test_dry_run_decides_but_changes_nothing_on_the_servers(fleet: LocalFleet) -
     # ... and nothing changed on the servers.
     assert reloads.spans == []
     assert all(v == 0.002 for v in metrics["triton_proxy_batching_window_seconds"].values())
+    after = settled_successes(fleet.servers, MODEL)
     for server in fleet.servers:
         assert batching_window_us(triton_config(server)) == DEFAULT_WINDOW_US
-        after = triton_successes(server)
-        assert after >= before[server.name] + answered[server.name], (server.name, after)
+        assert after[server.name] >= before[server.name] + answered[server.name], after
     assert sum(answered.values()) > 0
 
 
