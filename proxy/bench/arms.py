@@ -33,7 +33,8 @@ Every arm sends the same schedule to the same local Triton servers:
   (``long_to_idle``, ``idle_reserve: 1``);
 - ``proxy_shallow_lane``: ``proxy_rank_lane+idle`` whose lane runs the lowest class at
   ``shallow_per_instance: 2`` per instance while its queue moves, and at 8 once its oldest
-  queued request has waited ``deepen_after_s`` (1 s).
+  queued request has waited ``deepen_after_s`` (1 s); ``+quiet`` also lets online's long rows
+  take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -90,6 +91,13 @@ the issue 10 scenarios' offline requests per lane instance (2 x 4 rows of ``max_
 16), so online's long rows join batches of at most 9 rows (5 + 0.010 x 9 x 512 = 51 ms)
 instead of 13 (72 ms). Measured at x1 (2 repetitions): online P99 92 against 170 ms with
 the full depth; depth 1 gave 68 ms but lost a fifth of offline's completions at x1."""
+
+
+QUIET_DEPTH = 4
+"""``quiet_depth`` in ``proxy_shallow_lane+quiet``: an online 512-token row may take an instance
+with fewer than 4 requests in flight and no long work, where its batch pads at most 3 short
+rows (5 + 0.010 x 4 x 512 = 25 ms in ``case.yaml``), rather than wait in the lane for an
+offline batch (up to 46 ms at the shallow depth) and run in one filled with offline rows."""
 
 
 LANE_CONCURRENCY = 64
@@ -240,6 +248,24 @@ def _catalog() -> dict[str, ArmPlan]:
             lowest_spare_instances=1,
             lowest_shallow_per_instance=SHALLOW_DEPTH,
             policy_params={"long_placement": "pack", "long_to_idle": True, "idle_reserve": 1},
+            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
+        ),
+        ArmPlan(
+            "proxy_shallow_lane+quiet",
+            "proxy",
+            f"proxy_shallow_lane whose uncapped long requests take a quiet instance (no long "
+            f"work, under {QUIET_DEPTH} in flight) before they join the lane",
+            policy="expected_start",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            lowest_spare_instances=1,
+            lowest_shallow_per_instance=SHALLOW_DEPTH,
+            policy_params={
+                "long_placement": "pack",
+                "long_to_idle": True,
+                "idle_reserve": 1,
+                "quiet_depth": QUIET_DEPTH,
+            },
             scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
         ArmPlan(

@@ -55,7 +55,17 @@ class ExpectedStartParams:
     online's P99 at x0.25 61.0 against 72.6 ms, but at x1 real-time attainment 98.6 %
     against 99.6 %, as with ``long_to_idle`` alone: opt-in."""
 
+    quiet_depth: int = 0
+    """``long_to_idle``: a long request of an uncapped class that finds no idle instance it
+    may take (none, or ``idle_reserve`` keeps them) goes to a *quiet* one before it joins the
+    lane: no long work in flight and fewer than ``quiet_depth`` requests of the model, so its
+    padded batch holds at most that many short rows. In the lane it waits for the running
+    long batch and runs in one filled with the lane's queued rows. 0 (the default): off.
+    Under load no instance stays under a small depth, and long work keeps to the lane."""
+
     def __post_init__(self) -> None:
+        if self.quiet_depth < 0:
+            raise ValueError(f"quiet_depth must be >= 0, got {self.quiet_depth}")
         if self.idle_reserve < 0:
             raise ValueError(f"idle_reserve must be >= 0, got {self.idle_reserve}")
         if self.busy_weight < 0:
@@ -75,7 +85,7 @@ class ExpectedStart:
         short request:  score = ((ahead + 1) / B + busy_weight * [model_in_flight > 0]
                                  + long_weight * min(long_in_flight, 2)) / weight
         long, spread:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
-        long, pack:     key = (full, busy, -class_in_flight, -long_in_flight,
+        long, pack:     key = (full, where, -class_in_flight, -long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
 
     (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``). ``pack`` fills
@@ -85,8 +95,10 @@ class ExpectedStart:
     ``max_per_instance`` there (placement drops such instances before the policy sees them,
     and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
-    capped class. ``busy`` is 0 on an instance with nothing of the model in flight for a long
-    request of an uncapped class (``long_to_idle``), 1 otherwise. Short
+    capped class. ``where`` ranks, for a long request of an uncapped class (``long_to_idle``),
+    an instance with nothing of the model in flight 0 (while ``idle_reserve`` allows it), a
+    quiet one 1 (``quiet_depth``: no long work, fewer than ``quiet_depth`` in flight) and any
+    other 2; for every other long request it is 2 everywhere. Short
     requests avoid the lane through the ``long_weight`` term, so at light load long work runs
     on one instance and the others serve short batches only (size-interval assignment);
     under load the lane grows one instance at a time.
@@ -140,13 +152,20 @@ class ExpectedStart:
         if request.long and self.params.long_placement == "pack":
             cap = request.class_cap
             depth = self.params.lane_depth or 2 * batch
-            to_idle = to_idle and self.to_idle(request)
+            eligible = self.to_idle(request)
+            to_idle = to_idle and eligible
+            quiet = self.params.quiet_depth if eligible else 0
+
+            def where(c: Candidate) -> float:
+                if c.model_in_flight == 0:
+                    return 0.0 if to_idle else 2.0
+                return 1.0 if c.long_in_flight == 0 and c.model_in_flight < quiet else 2.0
 
             def key(c: Candidate) -> tuple[float, ...]:
                 full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth
                 return (
                     float(full),
-                    float(not (to_idle and c.model_in_flight == 0)),
+                    where(c),
                     -float(c.class_in_flight if cap else 0),
                     -float(c.long_in_flight),
                     float(c.model_in_flight - c.long_in_flight),

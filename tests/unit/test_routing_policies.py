@@ -226,12 +226,14 @@ def _es(
     placement: str = "pack",
     to_idle: bool = False,
     idle_reserve: int = 0,
+    quiet_depth: int = 0,
 ) -> str:
     params = {
         "long_weight": 3.0,
         "long_placement": placement,
         "long_to_idle": to_idle,
         "idle_reserve": idle_reserve,
+        "quiet_depth": quiet_depth,
     }
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
@@ -324,6 +326,29 @@ def test_expected_start_idle_reserve_keeps_idle_instances_for_short_work() -> No
     assert _es(long, lane, idle_c, full_idle, to_idle=True, idle_reserve=1) == "a"
 
 
+def test_expected_start_quiet_depth_prefers_a_quiet_instance_to_the_lane() -> None:
+    long = RouteRequest(model=MODEL, long=True, batch=16)
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    quiet = cand("b", in_flight=2)
+    busy = cand("c", in_flight=4)
+    idle = cand("d", in_flight=0)
+    kw: dict[str, Any] = {"to_idle": True, "idle_reserve": 1, "quiet_depth": 4}
+    # the only idle instance is kept for short work; the quiet one (2 < 4 in flight) takes it
+    assert _es(long, lane, quiet, busy, idle, **kw) == "b"
+    # without a quiet one it joins the lane, as before
+    assert _es(long, lane, busy, idle, **kw) == "a"
+    # an instance running long work is never quiet, however few it runs
+    long_one = dataclasses.replace(cand("b", in_flight=1), long_in_flight=1)
+    assert _es(long, lane, long_one, idle, **kw) == "a"
+    # two idle instances: one of them still comes first
+    assert _es(long, lane, quiet, idle, cand("e", in_flight=0), **kw) in {"d", "e"}
+    # off by default; and a capped class keeps to its lane
+    assert _es(long, lane, quiet, idle, to_idle=True, idle_reserve=1) == "a"
+    capped = dataclasses.replace(long, class_name="offline", class_cap=8)
+    own = dataclasses.replace(lane, class_in_flight=3)
+    assert _es(capped, own, quiet, idle, **kw) == "a"
+
+
 def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:
     long = RouteRequest(model=MODEL, long=True, batch=16)
     a = dataclasses.replace(cand("a", in_flight=4), long_in_flight=4)
@@ -361,6 +386,7 @@ def test_expected_start_packs_a_capped_class_by_its_own_work() -> None:
         ({"lane_depth": 0}, "lane_depth must be"),
         ({"busy_weight": -1}, "busy_weight must be"),
         ({"idle_reserve": -1}, "idle_reserve must be"),
+        ({"quiet_depth": -1}, "quiet_depth must be"),
     ],
 )
 def test_expected_start_params_are_checked(params: dict[str, Any], match: str) -> None:

@@ -287,15 +287,19 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
-@pytest.mark.parametrize(("to_idle", "idle_reserve"), [(False, 0), (True, 0), (True, 1), (True, 3)])
+@pytest.mark.parametrize(
+    ("to_idle", "idle_reserve", "quiet_depth"),
+    [(False, 0, 0), (True, 0, 0), (True, 1, 0), (True, 3, 0), (True, 1, 3), (False, 0, 3)],
+)
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
-    seed: int, lane_depth: int | None, to_idle: bool, idle_reserve: int
+    seed: int, lane_depth: int | None, to_idle: bool, idle_reserve: int, quiet_depth: int
 ) -> None:
     params: dict[str, Any] = {
         "long_placement": "pack",
         "lane_depth": lane_depth,
         "long_to_idle": to_idle,
         "idle_reserve": idle_reserve,
+        "quiet_depth": quiet_depth,
     }
     compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 
