@@ -193,32 +193,47 @@ async def one(
             else:
                 target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
             request = SimpleRequest(api_key="ab-key" if classes else None)
-            async with sender(target, request, concurrency) as send:
-                await run_closed(send, concurrency, 1.0, warmup_s=0.0)  # connections, caches
-                spy = None
-                if profile is not None:
-                    spy = subprocess.Popen(
-                        [
-                            *(PY_SPY, "record", "--format", "raw", "--rate", "500"),
-                            *("--nonblocking", "--duration", str(int(seconds))),
-                            *("--pid", str(proc.pid), "--output", str(profile)),
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                before = thread_cpu_s(proc.pid)
-                lat, errors, secs, _, err = await run_closed(
-                    send, concurrency, seconds, warmup_s=0.0
-                )
-                after = thread_cpu_s(proc.pid)
-                if spy is not None:
-                    spy.wait(30)
-            if errors:
-                raise RuntimeError(f"{errors} errors from {tree}: {err}")
-            return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
+            return await measure(
+                target, request, proc.pid, seconds, concurrency, str(tree), profile
+            )
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+async def measure(
+    target: ClosedTarget,
+    request: SimpleRequest,
+    pid: int,
+    seconds: float,
+    concurrency: int,
+    what: str,
+    profile: Path | None = None,
+) -> tuple[float, float]:
+    """(req/s, CPU ms per request of process ``pid``) over ``seconds`` of a closed loop to
+    ``target``, after one second that opens the connections and warms caches. With
+    ``profile``, py-spy samples ``pid`` meanwhile."""
+    async with sender(target, request, concurrency) as send:
+        await run_closed(send, concurrency, 1.0, warmup_s=0.0)
+        spy = None
+        if profile is not None:
+            spy = subprocess.Popen(
+                [
+                    *(PY_SPY, "record", "--format", "raw", "--rate", "500"),
+                    *("--nonblocking", "--duration", str(int(seconds))),
+                    *("--pid", str(pid), "--output", str(profile)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        before = thread_cpu_s(pid)
+        lat, errors, secs, _, err = await run_closed(send, concurrency, seconds, warmup_s=0.0)
+        after = thread_cpu_s(pid)
+        if spy is not None:
+            spy.wait(30)
+    if errors:
+        raise RuntimeError(f"{errors} errors from {what}: {err}")
+    return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
 
 
 async def floor(
@@ -235,14 +250,10 @@ async def floor(
         port = pipe.stdout.readline().strip()
         address = f"http://127.0.0.1:{port}" if protocol == "http" else f"127.0.0.1:{port}"
         target = ClosedTarget(protocol, (address,))
-        async with sender(target, SimpleRequest(api_key=None), concurrency) as send:
-            await run_closed(send, concurrency, 1.0, warmup_s=0.0)
-            before = thread_cpu_s(pipe.pid)
-            lat, errors, secs, _, err = await run_closed(send, concurrency, seconds, warmup_s=0.0)
-            after = thread_cpu_s(pipe.pid)
-        if errors:
-            raise RuntimeError(f"{errors} errors through the {protocol} pipe: {err}")
-        return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
+        request = SimpleRequest(api_key=None)
+        return await measure(
+            target, request, pipe.pid, seconds, concurrency, f"the {protocol} pipe"
+        )
     finally:
         pipe.kill()
         pipe.wait()
