@@ -11,7 +11,8 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_rr_priority``: ``rr_priority`` through the proxy (``round_robin``, no classes, the
   client's priority passed on as sent): the same decisions as ``rr_priority``, so the
   difference between the two is what the proxy itself costs at that load (the sweep reports
-  it, :mod:`proxy.bench.sweep`);
+  it, :mod:`proxy.bench.sweep`); ``+no_feedback`` with instance feedback off (the weight
+  cut for an instance whose queue wait stays high, on by default);
 - ``proxy_<policy>+classes``: the same with a ``scheduling:`` section built from the
   scenario's classes (:func:`scheduling_section`): class queues, Triton priority per class,
   API keys deciding the class, everything else the policy file's defaults;
@@ -133,6 +134,8 @@ class ArmPlan:
     up)."""
     policy_params: Mapping[str, Any] | None = None
     """The routing policy's parameters (none: its defaults)."""
+    routing: Mapping[str, Any] | None = None
+    """Keys set on the ``routing:`` section beside the policy (e.g. ``feedback``)."""
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -165,6 +168,17 @@ def _catalog() -> dict[str, ArmPlan]:
             "priority passed on as sent (what the proxy itself costs at a load)",
             priority=True,
             policy="round_robin",
+        )
+    )
+    plans.append(
+        ArmPlan(
+            "proxy_rr_priority+no_feedback",
+            "proxy",
+            "proxy_rr_priority with instance feedback off (no weight cut for an instance whose "
+            "queue wait stays high)",
+            priority=True,
+            policy="round_robin",
+            routing={"feedback": {"enabled": False}},
         )
     )
     plans += [
@@ -419,7 +433,10 @@ def proxy_policy(
     doc: dict[str, Any] = {
         "instances": instances,
         "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
-        "routing": {"policy": {"name": plan.policy, "params": dict(plan.policy_params or {})}},
+        "routing": {
+            "policy": {"name": plan.policy, "params": dict(plan.policy_params or {})},
+            **dict(plan.routing or {}),
+        },
     }
     if plan.classes:
         if scenario is None:

@@ -535,6 +535,10 @@ def test_proxy_rr_priority_is_a_proxy_arm_whose_client_sets_the_priority():
     sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
     doc = config_mod.parse(proxy_policy(SERVERS, plan, sc), "<t>")
     assert doc.scheduling is None  # no classes: the client's priority is forwarded as sent
+    assert doc.routing.feedback.enabled  # the default
+    off = CATALOG["proxy_rr_priority+no_feedback"]
+    doc = config_mod.parse(proxy_policy(SERVERS, off, sc), "<t>")
+    assert not doc.routing.feedback.enabled and doc.routing.policy.name == "round_robin"
 
 
 def shared(min_share: float, rate: float, windows: dict[str, list[int]]) -> dict:
