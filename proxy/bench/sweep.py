@@ -359,9 +359,10 @@ def _cost_lines(cost: Mapping[str, Mapping[str, float]] | None, queueing: bool) 
         f"{cls} P50 {d.get('p50_ms', math.nan):+.1f} / P99 {d.get('p99_ms', math.nan):+.1f} ms"
         for cls, d in cost.items()
     ]
-    # Where queues form, a small delay changes what Triton batches together, and the
-    # difference grows far beyond the proxy's own time (measured in issue 10's long_share at
-    # x1: online P99 +3.8 s through the proxy).
+    # Where queues form, the two arms stop making the same decisions: a small delay changes
+    # what Triton batches together, and the proxy's instance feedback moves load (issue 10's
+    # long_share at x1: online P99 +3.8 s through the proxy, +0.05 s with feedback off;
+    # docs/benchmarks.md, tenth round).
     caveat = " (queueing matters here: not the proxy's cost alone)" if queueing else ""
     return [f"the proxy's own cost ({with_proxy} - {without}, pooled{caveat}): " + "; ".join(parts)]
 
