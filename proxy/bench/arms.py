@@ -160,27 +160,24 @@ def _catalog() -> dict[str, ArmPlan]:
         ArmPlan(f"proxy_{p}", "proxy", f"triton-proxy, {p}, no classes", policy=p)
         for p in PROXY_POLICIES
     ]
-    plans.append(
-        ArmPlan(
-            "proxy_rr_priority",
-            "proxy",
-            "rr_priority through triton-proxy: round_robin, no classes, the client's Triton "
-            "priority passed on as sent (what the proxy itself costs at a load)",
-            priority=True,
-            policy="round_robin",
-        )
+    rr_through = ArmPlan(
+        "proxy_rr_priority",
+        "proxy",
+        "rr_priority through triton-proxy: round_robin, no classes, the client's Triton "
+        "priority passed on as sent (what the proxy itself costs at a load)",
+        priority=True,
+        policy="round_robin",
     )
-    plans.append(
-        ArmPlan(
-            "proxy_rr_priority+no_feedback",
-            "proxy",
-            "proxy_rr_priority with instance feedback off (no weight cut for an instance whose "
-            "queue wait stays high)",
-            priority=True,
-            policy="round_robin",
+    plans += [
+        rr_through,
+        replace(
+            rr_through,
+            name="proxy_rr_priority+no_feedback",
+            description="proxy_rr_priority with instance feedback off (no weight cut for an "
+            "instance whose queue wait stays high)",
             routing={"feedback": {"enabled": False}},
-        )
-    )
+        ),
+    ]
     plans += [
         ArmPlan(
             f"proxy_{p}+classes",
@@ -265,24 +262,6 @@ def _catalog() -> dict[str, ArmPlan]:
             scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
         ArmPlan(
-            "proxy_shallow_lane+quiet",
-            "proxy",
-            f"proxy_shallow_lane whose uncapped long requests take a quiet instance (no long "
-            f"work, under {QUIET_DEPTH} in flight) before they join the lane",
-            policy="expected_start",
-            classes=True,
-            lowest_max_per_instance=LANE_DEPTH,
-            lowest_spare_instances=1,
-            lowest_shallow_per_instance=SHALLOW_DEPTH,
-            policy_params={
-                "long_placement": "pack",
-                "long_to_idle": True,
-                "idle_reserve": 1,
-                "quiet_depth": QUIET_DEPTH,
-            },
-            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
-        ),
-        ArmPlan(
             "proxy_long_lane+adaptive",
             "proxy",
             "proxy_long_lane with adaptive concurrency on (from 32 slots, up to 64)",
@@ -304,6 +283,17 @@ def _catalog() -> dict[str, ArmPlan]:
             scheduling={"shed_late": True, "adaptive_concurrency": {"enabled": True}},
         ),
     ]
+    shallow = next(p for p in plans if p.name == "proxy_shallow_lane")
+    plans.insert(
+        plans.index(shallow) + 1,
+        replace(
+            shallow,
+            name="proxy_shallow_lane+quiet",
+            description="proxy_shallow_lane whose uncapped long requests take a quiet instance "
+            f"(no long work, under {QUIET_DEPTH} in flight) before they join the lane",
+            policy_params={**(shallow.policy_params or {}), "quiet_depth": QUIET_DEPTH},
+        ),
+    )
     return {p.name: p for p in plans}
 
 
