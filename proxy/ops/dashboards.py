@@ -474,7 +474,7 @@ def instances() -> Dashboard:
                         width=12,
                         max=1.0,
                         description="Lowered while an instance's queue-wait P95 stays above "
-                        "routing.feedback.queue_p95_threshold_us.",
+                        "routing.feedback.queue_p95_threshold_us and peer_ratio x its peers'.",
                     ),
                 ),
             ),

@@ -245,7 +245,10 @@ class ModelView:
         waiting = self._windows[level]
         if not waiting:
             return
-        for name in list(waiting):
+        # In fleet order, as the linear path prepares them: a window's verdict reads the
+        # latest windows of the model's other instances (FeedbackParams.peer_ratio).
+        positions = self.source.positions
+        for name in sorted(waiting, key=lambda n: positions.get(n, -1)):
             m = self.members.get(name)
             if m is None or m.level != level:
                 if m is not None or name not in excluded:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+from dataclasses import replace
+
 import pytest
 
 from proxy.clock import FakeClock
-from proxy.routing.feedback import FeedbackParams, InstanceFeedback
+from proxy.routing.feedback import FeedbackParams, InstanceFeedback, _Peers
 from tests.unit.routing_support import MODEL, snap
 
 PARAMS = FeedbackParams(
@@ -91,8 +95,85 @@ def test_missing_snapshot_is_no_evidence() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"windows": 0}, {"factor": 1.0}, {"factor": 0.0}, {"floor": 0.0}, {"window_s": 0.0}],
+    [
+        {"windows": 0},
+        {"peer_ratio": 0.9},
+        {"factor": 1.0},
+        {"factor": 0.0},
+        {"floor": 0.0},
+        {"window_s": 0.0},
+    ],
 )
 def test_params_are_validated(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FeedbackParams(**kwargs)  # type: ignore[arg-type]
+
+
+def fleet_weights(
+    series: dict[str, list[float | None]], params: FeedbackParams = PARAMS
+) -> dict[str, float]:
+    """Weights after the windows of several instances of one model, evaluated in turn."""
+    clock = FakeClock()
+    fb = InstanceFeedback(params, clock)
+    for step in range(len(next(iter(series.values())))):
+        clock.advance(params.window_s)
+        for name, p95s in series.items():
+            fb.weight(name, MODEL, snap(clock.now(), queue_us_p95=p95s[step]))
+    return {name: fb.current(name, MODEL) for name in series}
+
+
+def test_a_fleet_slow_as_a_whole_keeps_its_weights() -> None:
+    """Every instance above the absolute threshold, none far above its peers: cutting one
+    would only move its queue to the others."""
+    slow = {"a": [5000.0] * 6, "b": [7000.0] * 6, "c": [9000.0] * 6}
+    assert fleet_weights(slow) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    absolute = replace(PARAMS, peer_ratio=None)
+    assert fleet_weights(slow, absolute) == {"a": 0.25, "b": 0.25, "c": 0.25}
+
+
+def test_an_instance_far_above_its_peers_is_penalised() -> None:
+    series = {"a": [GOOD] * 6, "slow": [BAD] * 6, "b": [IDLE] * 6}
+    # The slow one's first window has one peer known (a): 5000 > 2 x 100.
+    assert fleet_weights(series) == {"a": 1.0, "slow": 0.25, "b": 1.0}
+    # Above 2x the peers' median, the absolute threshold still decides: 900 is not bad.
+    quiet = {"a": [100.0] * 3, "b": [300.0] * 3, "c": [900.0] * 3}
+    assert fleet_weights(quiet) == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+def test_peer_ratio_is_a_ratio_of_the_median_of_the_others() -> None:
+    # c's peers: median(2000, 3000) = 2500; 2 x 2500 = 5000 is not bad, 5001 is.
+    at = {"a": [2000.0] * 3, "b": [3000.0] * 3, "c": [5000.0] * 3}
+    assert fleet_weights(at)["c"] == 1.0
+    above = {"a": [2000.0] * 3, "b": [3000.0] * 3, "c": [5001.0] * 3}
+    assert fleet_weights(above)["c"] == 0.5
+
+
+def test_forgotten_instances_are_no_peers() -> None:
+    clock = FakeClock()
+    fb = InstanceFeedback(replace(PARAMS, windows=1), clock)
+    fb.weight("idle", MODEL, snap(clock.now(), queue_us_p95=None))
+    fb.forget("idle")
+    clock.advance(1.0)
+    # Alone again: the absolute threshold alone (an idle peer would have made it 5000 > 0).
+    assert fb.weight("slow", MODEL, snap(clock.now(), queue_us_p95=BAD)) == 0.5
+    fb.weight("idle", MODEL, snap(clock.now(), queue_us_p95=BAD))
+    assert fb.current("idle", MODEL) == 1.0  # its peer "slow" is as slow
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_median_of_the_others(seed: int) -> None:
+    rng = random.Random(seed)
+    peers = _Peers()
+    values: dict[str, float] = {}
+    for _ in range(60):
+        name = f"i{rng.randrange(8)}"
+        if rng.random() < 0.2:
+            peers.drop(name)
+            values.pop(name, None)
+        else:
+            values[name] = float(rng.choice((0, 1, 2, 3, 5, 8)))
+            peers.set(name, values[name])
+        for own, v in values.items():
+            others = [x for n, x in values.items() if n != own]
+            expected = statistics.median(others) if others else None
+            assert peers.median_without(v) == expected
