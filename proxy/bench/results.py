@@ -10,6 +10,11 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
 - ``windows`` = OK completions per class in each ``window_s`` (10 s) window of the measured
   period, by completion time whatever the arrival time: a class starved for a while shows a
   window near zero even when its total looks fine;
+- ``owed`` = per class and window, what a share floor may ask of that window: the requests the
+  class had waiting at the window's start (arrivals, warm-up included, less OK completions
+  before it) plus those arriving in it up to :data:`GRACE_S` before its end
+  (:func:`window_owed`). A floor is held in a window that completes ``min(floor, owed)``, so a
+  Poisson window that brings fewer requests than the floor is not a miss;
 - the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`).
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
@@ -33,6 +38,8 @@ from proxy.stats.histogram import Histogram
 US = 1_000_000
 WINDOW_S = 10.0
 """Width of the completion-count windows (offline completions per 10 s window)."""
+GRACE_S = 1.0
+"""Arrivals in a window's last second are owed to the next one: serving takes time."""
 PROXY_RSS = "proxy rss MiB"
 """Probe sample key holding the proxy process's resident memory (proxy arms only)."""
 
@@ -156,6 +163,8 @@ class ArmResult:
     window_s: float = WINDOW_S
     windows: dict[str, list[int]] = field(default_factory=dict)
     """Per class: OK completions in each window of the measured period (see module doc)."""
+    owed: dict[str, list[int]] = field(default_factory=dict)
+    """Per class: the most a share floor may ask of each window (module doc)."""
     sheds: Counter[str] = field(default_factory=Counter)
     """``"<class> <reason>"`` -> requests shed."""
     proxy_rss_mib: dict[str, float] | None = None
@@ -164,6 +173,15 @@ class ArmResult:
     def min_window(self, cls: str) -> int | None:
         w = self.windows.get(cls)
         return min(w) if w else None
+
+    def holds(self, cls: str, floor: float) -> bool | None:
+        """Whether each window completed ``min(floor, owed)`` of ``cls`` (the floor itself
+        where owed is unknown); None without windows."""
+        w = self.windows.get(cls)
+        if not w:
+            return None
+        owed: Sequence[float] = self.owed.get(cls) or [floor] * len(w)
+        return all(done >= min(floor, due) for done, due in zip(w, owed, strict=True))
 
     def total(self) -> ClassStats:
         out = ClassStats()
@@ -201,6 +219,7 @@ class ArmResult:
             "loads": [s.to_dict() for s in self.loads],
             "window_s": self.window_s,
             "windows": self.windows,
+            "owed": self.owed,
             "sheds": dict(self.sheds),
             "proxy_rss_mib": self.proxy_rss_mib,
         }
@@ -223,6 +242,27 @@ def window_counts(
     done = done[done < edges[-1]]  # half-open windows (histogram closes the last one)
     counts, _ = np.histogram(done, bins=edges)
     return [int(x) for x in counts]
+
+
+def window_owed(
+    scheduled: NDArray[np.float64],
+    finished: NDArray[np.float64],
+    start: float,
+    duration_s: float,
+    window_s: float = WINDOW_S,
+    grace_s: float = GRACE_S,
+) -> list[int]:
+    """Per window of :func:`window_counts`: arrivals scheduled before its end less
+    ``grace_s`` (at least its start), less completions (``finished``: the OK ones, NaN for
+    none) before its start."""
+    n = int(duration_s // window_s)
+    width = window_s if n >= 1 else duration_s
+    starts = start + width * np.arange(max(n, 1))
+    cutoffs = np.maximum(starts + width - grace_s, starts)
+    arrived = np.searchsorted(np.sort(scheduled), cutoffs, side="left")
+    done = np.sort(finished[~np.isnan(finished)])
+    served = np.searchsorted(done, starts, side="left")
+    return [int(x) for x in arrived - served]
 
 
 def rss_summary(rec: RunRecords) -> dict[str, float] | None:
@@ -274,8 +314,12 @@ def summarize_run(
         stats.latency_us.record_many(np.round(np.maximum(lat_ok, 0.0) * US).astype(np.int64))
         result.classes[cname] = stats
         done = (cls_of == k) & (rec.outcome == Outcome.OK)
+        start = rec.t0 + scenario.warmup_s
         result.windows[cname] = window_counts(
-            rec.finished[done], rec.t0 + scenario.warmup_s, scenario.duration_s, window_s
+            rec.finished[done], start, scenario.duration_s, window_s
+        )
+        result.owed[cname] = window_owed(
+            rec.scheduled[cls_of == k], rec.finished[done], start, scenario.duration_s, window_s
         )
     lag = (rec.started - rec.scheduled)[~np.isnan(rec.started)]
     if lag.size:

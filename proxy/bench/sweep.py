@@ -21,8 +21,10 @@ Definitions (what ``sweep.txt`` / ``sweep.json`` report):
   per window on average. A throughput class with a ``min_share`` is *guaranteed* that share of
   the fleet: its floor per window is ``min_share`` x what the fleet completes of that class
   alone (:func:`proxy.bench.capacity.class_capacity`) x the window. It *holds its share* at a
-  load point when its minimum window reaches the floor; where it offers less than the floor
-  per window it is not backlogged, and the point is not judged (:func:`window_floor`).
+  load point when every window of every repetition completes the floor, or all the class
+  owed that window where that was less (``ArmResult.holds``: a Poisson window may bring fewer
+  requests than the floor). Where it offers less than the floor per window on average it is
+  not backlogged, and the point is not judged (:func:`window_floor`).
 - **The proxy's own cost** at a load point, when the sweep has both arms of
   :data:`COST_ARMS`: per SLO class, the pooled P50 and P99 of ``proxy_rr_priority`` (the proxy
   making ``rr_priority``'s decisions) minus ``rr_priority``'s. Issue 10 judges the proxy at
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.capacity import class_capacity
-from proxy.bench.results import Report
+from proxy.bench.results import ArmResult, Report
 from proxy.bench.scenario import Scenario
 
 SLO_ATTAINMENT = 0.99
@@ -149,7 +151,9 @@ def sweep_summary(
                         "window_min": min(mins) if mins else None,
                         "window_offered": spec.mean_rate_rps(sc.duration_s) * width,
                         "window_floor": floor,
-                        "share_held": (None if floor is None or not mins else min(mins) >= floor),
+                        "share_held": (
+                            None if floor is None or not mins else _holds(reps, cls, floor)
+                        ),
                         "p99_vs_best": ratio_p99,
                         "p50_vs_best": ratio_p50,
                         "proxy_rss_mib_max": max(r["max"] for r in rss) if rss else None,
@@ -198,6 +202,10 @@ def _ratio(report: Report, arm: str, cls: str, metric: str, best: str | None) ->
     finally:
         report.baseline = saved
     return s.median if s is not None else None
+
+
+def _holds(reps: list[ArmResult], cls: str, floor: float) -> bool:
+    return all(a.holds(cls, floor) is not False for a in reps)
 
 
 def window_floor(scenario: Scenario, cls: str, width_s: float, servers: int) -> float | None:

@@ -34,6 +34,7 @@ from proxy.bench.results import (
     rss_summary,
     summarize_run,
     window_counts,
+    window_owed,
 )
 from proxy.bench.runner import Outcome, RequestEncoder, RunRecords, shed_reason
 from proxy.bench.scenario import (
@@ -252,6 +253,27 @@ def test_window_counts():
     assert window_counts(np.array([]), 0.0, 20.0) == [0, 0]
 
 
+def test_window_owed():
+    # windows [100, 110) and [110, 120); arrivals from the warm-up on, 1 s of grace
+    sched = np.array([95.0, 98.0, 101.0, 108.9, 109.5, 112.0, 125.0])
+    fin = np.array([99.0, 103.0, 111.0, np.nan])
+    # first: 4 arrived before 109, 1 done before 100; second: 6 before 119, 2 done before 110
+    assert window_owed(sched, fin, 100.0, 20.0, 10.0) == [3, 4]
+    # without grace, 108.9 and 109.5 are owed to the first
+    assert window_owed(sched, fin, 100.0, 20.0, 10.0, grace_s=0.0) == [4, 4]
+    # a window shorter than the grace owes what waited at its start: 95 and 98, less 99
+    assert window_owed(sched, fin, 100.0, 0.5, 10.0) == [1]
+
+
+def test_a_floor_asks_a_window_at_most_what_it_owed():
+    arm = ArmResult(name="x", windows={"off": [36, 31, 40]}, owed={"off": [50, 31, 60]})
+    assert arm.holds("off", 36.0) is True  # 31 of 31 owed in the short window
+    arm.owed["off"][1] = 32
+    assert arm.holds("off", 36.0) is False
+    assert ArmResult(name="old", windows={"off": [36, 31]}).holds("off", 36.0) is False
+    assert ArmResult(name="none").holds("off", 36.0) is None
+
+
 def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
     sc = parse_scenario({"duration_s": 20, "warmup_s": 2, "classes": {"off": {"rate_rps": 1}}})
     # arrivals in the warm-up count too when they finish inside the measured period
@@ -269,6 +291,9 @@ def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
     # windows [52, 62) and [62, 72): finishes at 54, 56, 64 (25 s is past the period)
     assert arm.windows["off"] == [2, 1]
     assert arm.min_window("off") == 1
+    # owed [52, 62): 3 arrived by 61 (the shed one included), none done before 52;
+    # [62, 72): 5 arrived by 71, 2 done before 62
+    assert arm.owed["off"] == [3, 3]
     assert arm.sheds == {"off late": 1}
     assert arm.proxy_rss_mib == {"first": 80.0, "max": 95.0, "last": 95.0}
     probe = next(s for s in arm.loads if s.source == "probe")
