@@ -16,11 +16,13 @@ class FeedbackParams:
     """A window is bad when the model's queue-wait P95 on the instance is above this (µs), and
     above its peers' (``peer_ratio``)."""
     peer_ratio: float | None = 2.0
-    """A bad window's P95 must also be above ``peer_ratio`` times the median of the latest
-    P95s of the model's other instances. When the whole fleet is slow, cutting the weight of
-    whichever instance crossed the threshold first only moves its queue to its peers, and load
-    swings between them (measured: docs/benchmarks.md, "the default instance feedback").
-    None: the absolute threshold alone; it is also alone while no peer has been evaluated."""
+    """Moving load away from an instance helps only when its peers have room. So a bad
+    window also needs the median of the latest P95s of the model's other instances to be at
+    most the threshold, and this instance's P95 to be above ``peer_ratio`` times that median.
+    When the whole fleet is slow, cutting the weight of whichever instance crossed the
+    threshold first only moves its queue to its peers, and load swings between them
+    (measured: docs/benchmarks.md, "the default instance feedback"). None: the absolute
+    threshold alone; it is also alone while no peer has been evaluated."""
     windows: int = 3
     """Consecutive bad (good) windows before the weight steps down (up)."""
     factor: float = 0.5
@@ -95,8 +97,9 @@ class InstanceFeedback:
     A window is one evaluation: at least ``window_s`` of clock time after the previous one,
     and on a snapshot not seen before (a stale snapshot is no new evidence, so streaks do not
     move). A window is bad when ``queue_us_p95 > queue_p95_threshold_us`` and, with
-    ``peer_ratio``, ``queue_us_p95 > peer_ratio * median(peers)``, where the peers are the
-    model's other instances, each at the P95 of its own latest window (at most ``window_s``
+    ``peer_ratio``, ``median(peers) <= queue_p95_threshold_us`` and
+    ``queue_us_p95 > peer_ratio * median(peers)``, where the peers are the model's other
+    instances, each at the P95 of its own latest window (at most ``window_s``
     plus a scrape old; an instance without traffic counts as 0). A window without traffic (P95
     unknown) is good. After ``windows`` consecutive bad windows the weight becomes
     ``max(floor, weight * factor)``; after ``windows`` consecutive good ones it becomes
@@ -160,7 +163,9 @@ class InstanceFeedback:
         if ratio is None:
             return True
         median = self._peers[model].median_without(p95)
-        return median is None or p95 > ratio * median
+        if median is None:
+            return True
+        return median <= self.params.queue_p95_threshold_us and p95 > ratio * median
 
     def due_at(self, instance: str, model: str, snapshot: InstanceSnapshot | None) -> float | None:
         """Clock time from which :meth:`weight` would evaluate a window on ``snapshot``; None

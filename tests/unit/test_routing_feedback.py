@@ -141,11 +141,20 @@ def test_an_instance_far_above_its_peers_is_penalised() -> None:
 
 
 def test_peer_ratio_is_a_ratio_of_the_median_of_the_others() -> None:
-    # c's peers: median(2000, 3000) = 2500; 2 x 2500 = 5000 is not bad, 5001 is.
-    at = {"a": [2000.0] * 3, "b": [3000.0] * 3, "c": [5000.0] * 3}
+    # c's peers: median(600, 700) = 650; 2 x 650 = 1300 is not bad, 1301 is.
+    at = {"a": [600.0] * 3, "b": [700.0] * 3, "c": [1300.0] * 3}
     assert fleet_weights(at)["c"] == 1.0
-    above = {"a": [2000.0] * 3, "b": [3000.0] * 3, "c": [5001.0] * 3}
+    above = {"a": [600.0] * 3, "b": [700.0] * 3, "c": [1301.0] * 3}
     assert fleet_weights(above)["c"] == 0.5
+
+
+def test_no_penalty_while_the_peers_have_no_room() -> None:
+    """Peers above the threshold themselves: a weight cut would only move the queue."""
+    crowded = {"a": [2000.0] * 3, "b": [3000.0] * 3, "c": [20000.0] * 3}
+    assert fleet_weights(crowded)["c"] == 1.0
+    # Their median exactly at the threshold still leaves room.
+    room = {"a": [1000.0] * 3, "b": [1000.0] * 3, "c": [20000.0] * 3}
+    assert fleet_weights(room)["c"] == 0.5
 
 
 def test_forgotten_instances_are_no_peers() -> None:
