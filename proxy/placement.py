@@ -125,7 +125,7 @@ class FleetPlacement:
             in_model = inst.model_in_flight.get(model, 0)
             in_class = inst.class_in_flight.get(class_key, 0)
             # ``ahead_of`` with no level is the model's count, read above.
-            ahead = in_model if level is None else inst.ahead_of(model, level)
+            ahead, above = (in_model, 0) if level is None else inst.ahead_of(model, level)
             c = Candidate.fast(
                 {
                     "name": name,
@@ -136,6 +136,7 @@ class FleetPlacement:
                     "stale": False,  # judged by the router from the snapshot's age
                     "weight": 1.0,
                     "ahead": ahead,
+                    "above": above,
                     "long_in_flight": inst.long_in_flight.get(model, 0),
                     "class_in_flight": in_class,
                 }

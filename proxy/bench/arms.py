@@ -35,7 +35,9 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_shallow_lane``: ``proxy_rank_lane+idle`` whose lane runs the lowest class at
   ``shallow_per_instance: 2`` per instance while its queue moves, and at 8 once its oldest
   queued request has waited ``deepen_after_s`` (1 s); ``+quiet`` also lets online's long rows
-  take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`).
+  take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
+  quiet instance must also have nothing of a more important level in flight
+  (``quiet_alone``), so those rows pad no real-time batch.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -284,16 +286,22 @@ def _catalog() -> dict[str, ArmPlan]:
         ),
     ]
     shallow = next(p for p in plans if p.name == "proxy_shallow_lane")
-    plans.insert(
-        plans.index(shallow) + 1,
-        replace(
-            shallow,
-            name="proxy_shallow_lane+quiet",
-            description="proxy_shallow_lane whose uncapped long requests take a quiet instance "
-            f"(no long work, under {QUIET_DEPTH} in flight) before they join the lane",
-            policy_params={**(shallow.policy_params or {}), "quiet_depth": QUIET_DEPTH},
-        ),
+    quiet = replace(
+        shallow,
+        name="proxy_shallow_lane+quiet",
+        description="proxy_shallow_lane whose uncapped long requests take a quiet instance "
+        f"(no long work, under {QUIET_DEPTH} in flight) before they join the lane",
+        policy_params={**(shallow.policy_params or {}), "quiet_depth": QUIET_DEPTH},
     )
+    alone = replace(
+        quiet,
+        name="proxy_shallow_lane+alone",
+        description="proxy_shallow_lane+quiet where a quiet instance also has no request of a "
+        "more important priority level in flight (quiet_alone)",
+        policy_params={**(quiet.policy_params or {}), "quiet_alone": True},
+    )
+    at = plans.index(shallow) + 1
+    plans[at:at] = [quiet, alone]
     return {p.name: p for p in plans}
 
 

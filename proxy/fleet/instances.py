@@ -187,14 +187,19 @@ class Instance:
     woken_at: float = float("-inf")
     """Clock time routing.wake last sent a request here instead of the policy's choice."""
 
-    def ahead_of(self, model: str, level: int | None) -> int:
+    def ahead_of(self, model: str, level: int | None) -> tuple[int, int]:
         """Requests of ``model`` in flight here that Triton serves no later than one at
-        ``level`` (same or more important level; all of them when ``level`` is None)."""
+        ``level`` (same or more important level; all of them when ``level`` is None or 0),
+        and how many of those are at a more important level than ``level`` (0 then)."""
         if level is None or level <= 0:
-            return self.model_in_flight.get(model, 0)
-        return sum(
-            n for (m, lv), n in self.level_in_flight.items() if m == model and 0 < lv <= level
-        )
+            return self.model_in_flight.get(model, 0), 0
+        ahead = above = 0
+        for (m, lv), n in self.level_in_flight.items():
+            if m == model and 0 < lv <= level:
+                ahead += n
+                if lv < level:
+                    above += n
+        return ahead, above
 
     models_out: dict[str, ModelOut] = field(default_factory=dict)
     """Models taken out of rotation on this instance alone, re-probed with backoff."""

@@ -44,6 +44,9 @@ class Candidate:
     ahead: int | None = None
     """Requests of the model in flight here that Triton serves before this one (same or
     higher priority level); None when unknown (then ``model_in_flight``)."""
+    above: int = 0
+    """Of ``ahead``, those at a more important level than the request's (0 when it carries
+    none): Triton puts their rows first in any batch this request joins."""
     long_in_flight: int = 0
     """Long requests of the model in flight here (see :class:`RouteRequest.long`)."""
     class_in_flight: int = 0

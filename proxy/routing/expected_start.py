@@ -69,6 +69,12 @@ class ExpectedStartParams:
     real-time 1.07x against 0.57x; at x1 online 0.86x against 1.22x, real-time 0.53x against
     0.41x (100 % within its SLO). The short rows it pads are real-time's: opt-in."""
 
+    quiet_alone: bool = False
+    """``quiet_depth``: a quiet instance must also have nothing of a more important priority
+    level in flight (``Candidate.above`` = 0), so the short rows the long batch pads are its
+    own level's or lower, never a more important class's. ``quiet_depth`` alone let online's
+    long rows pad real-time batches (above)."""
+
     def __post_init__(self) -> None:
         if self.quiet_depth < 0:
             raise ValueError(f"quiet_depth must be >= 0, got {self.quiet_depth}")
@@ -103,11 +109,11 @@ class ExpectedStart:
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
     capped class. ``where`` ranks, for a long request of an uncapped class (``long_to_idle``),
     an instance with nothing of the model in flight 0 (while ``idle_reserve`` allows it), a
-    quiet one 1 (``quiet_depth``: no long work, fewer than ``quiet_depth`` in flight) and any
-    other 2; for every other long request it is 2 everywhere. Short
-    requests avoid the lane through the ``long_weight`` term, so at light load long work runs
-    on one instance and the others serve short batches only (size-interval assignment);
-    under load the lane grows one instance at a time.
+    quiet one 1 (``quiet_depth``: no long work, fewer than ``quiet_depth`` in flight, and with
+    ``quiet_alone`` nothing of a more important level) and any other 2; for every other long
+    request it is 2 everywhere. Short requests avoid the lane through the ``long_weight``
+    term, so at light load long work runs on one instance and the others serve short batches
+    only (size-interval assignment); under load the lane grows one instance at a time.
 
     where ``ahead`` counts this proxy's requests of the model in flight on the instance at level
     ``<= p`` (with Triton priorities, work queued at lower levels waits behind this request, so it
@@ -124,8 +130,8 @@ class ExpectedStart:
     (measured: worse than round robin). Counting batches rather than requests, and keeping short,
     important requests off instances running long work, is what pays.
 
-    Reads ``ahead`` (falls back to ``model_in_flight``), ``long_in_flight``, ``weight`` and the
-    request's ``long`` and ``batch``.
+    Reads ``ahead`` (falls back to ``model_in_flight``), ``above`` (``quiet_alone``),
+    ``long_in_flight``, ``weight`` and the request's ``long`` and ``batch``.
 
     Source: the "shortest expected delay" rule of queueing theory (Whitt, *Deciding which queue
     to join*, 1986) applied to priority batch servers; the long-work separation follows the
@@ -161,11 +167,14 @@ class ExpectedStart:
             eligible = self.to_idle(request)
             to_idle = to_idle and eligible
             quiet = self.params.quiet_depth if eligible else 0
+            alone = self.params.quiet_alone
 
             def where(c: Candidate) -> float:
                 if c.model_in_flight == 0:
                     return 0.0 if to_idle else 2.0
-                return 1.0 if c.long_in_flight == 0 and c.model_in_flight < quiet else 2.0
+                if c.long_in_flight or c.model_in_flight >= quiet or (alone and c.above):
+                    return 2.0
+                return 1.0
 
             def key(c: Candidate) -> tuple[float, ...]:
                 full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth

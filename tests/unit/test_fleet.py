@@ -1,5 +1,7 @@
+import contextlib
+
 from proxy.clock import FakeClock
-from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec
+from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec, Work
 
 
 def make(n: int = 2, **health: float) -> tuple[Fleet, FakeClock]:
@@ -72,3 +74,17 @@ def test_model_out_on_one_instance_only() -> None:
     assert i0.models_out["m"].backoff_s == 2 and fleet.due_model_probes() == []
     fleet.include_model(i0, "m")
     assert fleet.serving("m") == [i0, i1] and changes == ["i0", "i0"]
+
+
+def test_ahead_of_counts_the_same_or_more_important_levels_and_those_above() -> None:
+    fleet, _ = make(1)
+    inst = fleet.get("i0")
+    with contextlib.ExitStack() as stack:
+        for level in (1, 1, 2, 3, 0):
+            stack.enter_context(fleet.track(inst, "m", work=Work(level=level)))
+        stack.enter_context(fleet.track(inst, "other", work=Work(level=1)))
+        assert inst.ahead_of("m", 2) == (3, 2)  # levels 1, 1, 2; above it: 1, 1
+        assert inst.ahead_of("m", 1) == (2, 0)
+        assert inst.ahead_of("m", 3) == (4, 3)  # the default level (0) is neither
+        assert inst.ahead_of("m", None) == (5, 0)  # no level: every request of the model
+    assert inst.ahead_of("m", 2) == (0, 0)

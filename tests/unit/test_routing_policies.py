@@ -227,6 +227,7 @@ def _es(
     to_idle: bool = False,
     idle_reserve: int = 0,
     quiet_depth: int = 0,
+    quiet_alone: bool = False,
 ) -> str:
     params = {
         "long_weight": 3.0,
@@ -234,6 +235,7 @@ def _es(
         "long_to_idle": to_idle,
         "idle_reserve": idle_reserve,
         "quiet_depth": quiet_depth,
+        "quiet_alone": quiet_alone,
     }
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
@@ -347,6 +349,22 @@ def test_expected_start_quiet_depth_prefers_a_quiet_instance_to_the_lane() -> No
     capped = dataclasses.replace(long, class_name="offline", class_cap=8)
     own = dataclasses.replace(lane, class_in_flight=3)
     assert _es(capped, own, quiet, idle, **kw) == "a"
+
+
+def test_expected_start_quiet_alone_keeps_long_rows_off_more_important_work() -> None:
+    """An online long row (level 2) pads the batch it joins: with ``quiet_alone`` a quiet
+    instance has no real-time request (level 1) in flight."""
+    long = RouteRequest(model=MODEL, long=True, batch=16, level=2)
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    with_rt = dataclasses.replace(cand("b", in_flight=1), ahead=1, above=1)
+    own_level = dataclasses.replace(cand("c", in_flight=2), ahead=2, above=0)
+    idle = cand("d", in_flight=0)
+    kw: dict[str, Any] = {"to_idle": True, "idle_reserve": 1, "quiet_depth": 4}
+    # quiet_depth alone takes the emptier one, real-time row and all
+    assert _es(long, lane, with_rt, own_level, idle, **kw) == "b"
+    assert _es(long, lane, with_rt, own_level, idle, quiet_alone=True, **kw) == "c"
+    # no instance free of more important work: the lane, as without a quiet one
+    assert _es(long, lane, with_rt, idle, quiet_alone=True, **kw) == "a"
 
 
 def test_expected_start_lane_depth_bounds_uncapped_long_work() -> None:

@@ -245,7 +245,7 @@ def compare(
                 for f in SHARED_FIELDS + PREPARED_FIELDS:
                     assert getattr(got, f) == getattr(expected, f), f
                 if policy == "expected_start":
-                    assert got.ahead == expected.ahead
+                    assert (got.ahead, got.above) == (expected.ahead, expected.above)
             compared += 1
     return compared
 
@@ -288,11 +288,24 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
 @pytest.mark.parametrize(
-    ("to_idle", "idle_reserve", "quiet_depth"),
-    [(False, 0, 0), (True, 0, 0), (True, 1, 0), (True, 3, 0), (True, 1, 3), (False, 0, 3)],
+    ("to_idle", "idle_reserve", "quiet_depth", "quiet_alone"),
+    [
+        (False, 0, 0, False),
+        (True, 0, 0, False),
+        (True, 1, 0, False),
+        (True, 3, 0, False),
+        (True, 1, 3, False),
+        (True, 1, 3, True),
+        (False, 0, 3, False),
+    ],
 )
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
-    seed: int, lane_depth: int | None, to_idle: bool, idle_reserve: int, quiet_depth: int
+    seed: int,
+    lane_depth: int | None,
+    to_idle: bool,
+    idle_reserve: int,
+    quiet_depth: int,
+    quiet_alone: bool,
 ) -> None:
     params: dict[str, Any] = {
         "long_placement": "pack",
@@ -300,6 +313,7 @@ def test_expected_start_packing_a_lane_decides_as_the_linear_path(
         "long_to_idle": to_idle,
         "idle_reserve": idle_reserve,
         "quiet_depth": quiet_depth,
+        "quiet_alone": quiet_alone,
     }
     compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 
