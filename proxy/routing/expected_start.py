@@ -211,9 +211,10 @@ class ExpectedStart:
         key = self.key(request)
         reserve = self.params.idle_reserve
         if reserve and self.to_idle(request):
-            idle = sum(1 for c in candidates if key(c)[:2] == (0.0, 0.0))
-            if idle <= reserve:
-                key = self.key(request, to_idle=False)
+            keys = {c.name: key(c) for c in candidates}  # each key once, not twice
+            if sum(1 for k in keys.values() if k[:2] == (0.0, 0.0)) <= reserve:
+                return pick_min(candidates, self.key(request, to_idle=False), self._rng)
+            return pick_min(candidates, lambda c: keys[c.name], self._rng)
         return pick_min(candidates, key, self._rng)
 
     def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
