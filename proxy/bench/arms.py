@@ -37,7 +37,8 @@ Every arm sends the same schedule to the same local Triton servers:
   queued request has waited ``deepen_after_s`` (1 s); ``+quiet`` also lets online's long rows
   take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
   quiet instance must also have nothing of a more important level in flight
-  (``quiet_alone``), so those rows pad no real-time batch.
+  (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
+  ``quiet_depth`` of 2 (at most one short row in the long row's batch).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -300,8 +301,15 @@ def _catalog() -> dict[str, ArmPlan]:
         "more important priority level in flight (quiet_alone)",
         policy_params={**(quiet.policy_params or {}), "quiet_alone": True},
     )
+    alone2 = replace(
+        alone,
+        name="proxy_shallow_lane+alone2",
+        description="proxy_shallow_lane+alone with quiet_depth 2: a quiet instance has at "
+        "most one request in flight, so the long row's batch holds at most one short row",
+        policy_params={**(alone.policy_params or {}), "quiet_depth": 2},
+    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone]
+    plans[at:at] = [quiet, alone, alone2]
     return {p.name: p for p in plans}
 
 
