@@ -104,6 +104,11 @@ rows (5 + 0.010 x 4 x 512 = 25 ms in ``case.yaml``), rather than wait in the lan
 offline batch (up to 46 ms at the shallow depth) and run in one filled with offline rows."""
 
 
+UNCAPPED_LANE_DEPTHS = (2, 4)
+"""``lane_depth`` of the ``proxy_shallow_lane+depth<N>`` arms. The default, 2 x
+``max_batch_size`` (32 long requests), never opens a second instance for online's long rows at
+x0.5 in ``long_share.yaml``; there they queue behind each other and the offline batches."""
+
 LANE_CONCURRENCY = 64
 """Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
 serves all the short work while the lane runs long work; with 2 x ``max_batch_size`` (32)
@@ -308,8 +313,18 @@ def _catalog() -> dict[str, ArmPlan]:
         "most one request in flight, so the long row's batch holds at most one short row",
         policy_params={**(alone.policy_params or {}), "quiet_depth": 2},
     )
+    depths = [
+        replace(
+            shallow,
+            name=f"proxy_shallow_lane+depth{depth}",
+            description=f"proxy_shallow_lane with lane_depth {depth}: an uncapped long request "
+            f"opens another instance once the lane holds {depth} long requests",
+            policy_params={**(shallow.policy_params or {}), "lane_depth": depth},
+        )
+        for depth in UNCAPPED_LANE_DEPTHS
+    ]
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2]
+    plans[at:at] = [quiet, alone, alone2, *depths]
     return {p.name: p for p in plans}
 
 
