@@ -323,8 +323,15 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for depth in UNCAPPED_LANE_DEPTHS
     ]
+    shallow1 = replace(
+        shallow,
+        name="proxy_shallow_lane+shallow1",
+        description="proxy_shallow_lane whose lane runs one offline request per instance while "
+        "its queue moves (a long online row waits for, and joins, a smaller offline batch)",
+        lowest_shallow_per_instance=1,
+    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1]
     return {p.name: p for p in plans}
 
 
