@@ -91,7 +91,7 @@ def fifo_capacity(
     rows = np.empty(requests, dtype=np.int64)
     for k, name in enumerate(names):
         sel = which == k
-        tokens[sel], rows[sel] = _draw_sizes(scenario.classes[name].sizes, int(sel.sum()), gen)
+        tokens[sel], rows[sel], _ = _draw_sizes(scenario.classes[name].sizes, int(sel.sum()), gen)
     if rows.max() > max_batch_size:
         raise ValueError(
             f"a request of {rows.max()} rows does not fit max_batch_size {max_batch_size}"

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import numpy as np
 
-from proxy.bench.results import Report, Spread
+from proxy.bench.results import Report, Spread, size_label
 
 LAG_WARN_MS = 20.0
 """Dispatch lag above this means the load generator itself fell behind the schedule."""
@@ -82,6 +82,7 @@ def render_table(report: Report) -> str:
                 f"{_ratio(report.ratio(arm, cls, 'p99_ms')):<22} "
                 f"{_ratio(report.ratio(arm, cls, 'p50_ms')):<12}"
             )
+    lines += _size_lines(report, w)
     lines += ["", f"{'arm':<{w}} {'req/s':>8} {'least-served class':>28} {'lag max ms':>11}  notes"]
     for arm in report.arms:
         results = [r.arms[arm] for r in report.repetitions if arm in r.arms]
@@ -127,6 +128,29 @@ def render_table(report: Report) -> str:
             f"{_ms(lag):>11}  {' | '.join(notes)}"
         )
     return "\n".join(lines)
+
+
+def _size_lines(report: Report, w: int) -> list[str]:
+    """P50 / P99 (pooled) per size bucket of the classes with several."""
+    sc = report.scenario
+    labels = [
+        size_label(sc, cls, b)
+        for cls in sc.class_names
+        if len(sc.classes[cls].sizes) > 1
+        for b in range(len(sc.classes[cls].sizes))
+    ]
+    if not labels:
+        return []
+    cw = max(16, *(len(x) for x in labels))
+    lines = ["", "by size bucket: P50 / P99 ms (pooled)"]
+    lines.append(f"{'arm':<{w}} " + " ".join(f"{x:>{cw}}" for x in labels))
+    for arm in report.arms:
+        cells = []
+        for label in labels:
+            c = report.merged(arm, label, sizes=True)
+            cells.append("-" if c is None else f"{_ms(c.p50_ms)} / {_ms(c.p99_ms)}")
+        lines.append(f"{arm:<{w}} " + " ".join(f"{x:>{cw}}" for x in cells))
+    return lines
 
 
 def write_json(report: Report, path: str | Path) -> Path:

@@ -15,6 +15,9 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
   before it) plus those arriving in it up to :data:`GRACE_S` before its end
   (:func:`window_owed`). A floor is held in a window that completes ``min(floor, owed)``, so a
   Poisson window that brings fewer requests than the floor is not a miss;
+- ``sizes``: for a class with several size buckets, the same figures per bucket
+  (:func:`size_label`): a class's tail is often one bucket's (issue 10: online's 512-token
+  rows, a third of online's requests, set its P99);
 - the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`).
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
@@ -165,6 +168,8 @@ class ArmResult:
     """Per class: OK completions in each window of the measured period (see module doc)."""
     owed: dict[str, list[int]] = field(default_factory=dict)
     """Per class: the most a share floor may ask of each window (module doc)."""
+    sizes: dict[str, ClassStats] = field(default_factory=dict)
+    """Per size bucket of a class with several (:func:`size_label`)."""
     sheds: Counter[str] = field(default_factory=Counter)
     """``"<class> <reason>"`` -> requests shed."""
     proxy_rss_mib: dict[str, float] | None = None
@@ -220,6 +225,7 @@ class ArmResult:
             "window_s": self.window_s,
             "windows": self.windows,
             "owed": self.owed,
+            "sizes": {n: c.to_dict() for n, c in self.sizes.items()},
             "sheds": dict(self.sheds),
             "proxy_rss_mib": self.proxy_rss_mib,
         }
@@ -265,6 +271,13 @@ def window_owed(
     return [int(x) for x in arrived - served]
 
 
+def size_label(scenario: Scenario, cls: str, bucket: int) -> str:
+    """``"<class> <lo>-<hi>"``, with ``x<rows>`` when a request has several rows."""
+    b = scenario.classes[cls].sizes[bucket]
+    rows = f"x{b.rows}" if b.rows > 1 else ""
+    return f"{cls} {b.lo}-{b.hi}{rows}"
+
+
 def rss_summary(rec: RunRecords) -> dict[str, float] | None:
     """First, max and last probed proxy RSS (MiB), or None when no probe reported it."""
     values = [s[PROXY_RSS] for _, s in rec.load_samples if PROXY_RSS in s]
@@ -294,9 +307,9 @@ def summarize_run(
         sheds=Counter(rec.sheds),
         proxy_rss_mib=rss_summary(rec),
     )
-    for k, cname in enumerate(scenario.class_names):
-        spec = scenario.classes[cname]
-        sel = measured & (cls_of == k)
+    bucket = np.fromiter((a.bucket for a in schedule), dtype=np.int64, count=n)
+
+    def stats_of(sel: NDArray[np.bool_], slo_p99_ms: float | None) -> ClassStats:
         out = rec.outcome[sel]
         ok = out == Outcome.OK
         lat_ok = lat[sel][ok]
@@ -306,13 +319,22 @@ def summarize_run(
             shed=int((out == Outcome.SHED).sum()),
             error=int((out == Outcome.ERROR).sum()),
             unfinished=int((out == PENDING).sum()),
-            slo_p99_ms=spec.slo_p99_ms,
+            slo_p99_ms=slo_p99_ms,
             duration_s=scenario.duration_s,
         )
-        if spec.slo_p99_ms is not None:
-            stats.within_slo = int((lat_ok * 1000.0 <= spec.slo_p99_ms).sum())
+        if slo_p99_ms is not None:
+            stats.within_slo = int((lat_ok * 1000.0 <= slo_p99_ms).sum())
         stats.latency_us.record_many(np.round(np.maximum(lat_ok, 0.0) * US).astype(np.int64))
-        result.classes[cname] = stats
+        return stats
+
+    for k, cname in enumerate(scenario.class_names):
+        spec = scenario.classes[cname]
+        sel = measured & (cls_of == k)
+        result.classes[cname] = stats_of(sel, spec.slo_p99_ms)
+        if len(spec.sizes) > 1:
+            for b in range(len(spec.sizes)):
+                label = size_label(scenario, cname, b)
+                result.sizes[label] = stats_of(sel & (bucket == b), spec.slo_p99_ms)
         done = (cls_of == k) & (rec.outcome == Outcome.OK)
         start = rec.t0 + scenario.warmup_s
         result.windows[cname] = window_counts(
@@ -426,12 +448,13 @@ class Report:
     note: str = ""
     """Shown with the figures, e.g. that the model simulates an accelerator's cost curve."""
 
-    def merged(self, arm: str, cls: str) -> ClassStats | None:
-        """One class's stats pooled over every repetition."""
+    def merged(self, arm: str, cls: str, sizes: bool = False) -> ClassStats | None:
+        """One class's stats pooled over every repetition (``sizes``: ``cls`` is one size
+        bucket's label, :func:`size_label`)."""
         parts = [
-            r.arms[arm].classes[cls]
+            (r.arms[arm].sizes if sizes else r.arms[arm].classes)[cls]
             for r in self.repetitions
-            if arm in r.arms and cls in r.arms[arm].classes
+            if arm in r.arms and cls in (r.arms[arm].sizes if sizes else r.arms[arm].classes)
         ]
         if not parts:
             return None

@@ -342,6 +342,8 @@ class Arrival:
     rows: int = 1
     burst: bool = False
     """Part of a burst (not of the class's Poisson arrivals)."""
+    bucket: int = 0
+    """Which of its class's ``sizes`` it was drawn from."""
 
 
 def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival]:
@@ -351,6 +353,7 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
     cls_idx: list[NDArray[np.int64]] = []
     tokens: list[NDArray[np.int64]] = []
     rows: list[NDArray[np.int64]] = []
+    buckets: list[NDArray[np.int64]] = []
     sessions: list[NDArray[np.int64]] = []
     burst: list[NDArray[np.bool_]] = []
     names = scenario.class_names
@@ -379,9 +382,10 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
         m = t.size
         times.append(t)
         cls_idx.append(np.full(m, k, dtype=np.int64))
-        tok, row = _draw_sizes(spec.sizes, m, rng)
+        tok, row, which = _draw_sizes(spec.sizes, m, rng)
         tokens.append(tok)
         rows.append(row)
+        buckets.append(which)
         sessions.append(
             rng.integers(0, spec.sessions, m) if spec.sessions else np.full(m, -1, np.int64)
         )
@@ -390,6 +394,7 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
     c = np.concatenate(cls_idx)
     tk = np.concatenate(tokens)
     rw = np.concatenate(rows)
+    bk = np.concatenate(buckets)
     ses = np.concatenate(sessions)
     bu = np.concatenate(burst)
     order = np.lexsort((c, t))  # time first; class order breaks ties (bursts share a time)
@@ -403,6 +408,7 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
             warmup=bool(t[j] < scenario.warmup_s),
             rows=int(rw[j]),
             burst=bool(bu[j]),
+            bucket=int(bk[j]),
         )
         for i, j in enumerate(order)
     ]
@@ -410,12 +416,12 @@ def build_schedule(scenario: Scenario, rng: np.random.Generator) -> list[Arrival
 
 def _draw_sizes(
     buckets: tuple[SizeBucket, ...], n: int, rng: np.random.Generator
-) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """Tokens and rows of ``n`` requests drawn from the weighted buckets."""
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """Tokens, rows and bucket index of ``n`` requests drawn from the weighted buckets."""
     weights = np.array([b.weight for b in buckets], dtype=float)
-    which = rng.choice(len(buckets), size=n, p=weights / weights.sum())
+    which: NDArray[np.int64] = rng.choice(len(buckets), size=n, p=weights / weights.sum())
     lo = np.array([b.lo for b in buckets], dtype=np.int64)[which]
     hi = np.array([b.hi for b in buckets], dtype=np.int64)[which]
     sizes: NDArray[np.int64] = rng.integers(lo, hi + 1)
     rows: NDArray[np.int64] = np.array([b.rows for b in buckets], dtype=np.int64)[which]
-    return sizes, rows
+    return sizes, rows, which

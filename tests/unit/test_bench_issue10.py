@@ -25,6 +25,7 @@ from proxy.bench.arms import (
     resolve_arms,
 )
 from proxy.bench.capacity import class_capacity, fifo_batches, fifo_capacity
+from proxy.bench.report import render_table
 from proxy.bench.results import (
     PROXY_RSS,
     ArmResult,
@@ -91,6 +92,7 @@ def test_rows_follow_their_bucket():
     assert all(a.rows == 4 for a in off if a.tokens == 512)
     assert all(a.rows == 1 for a in off if a.tokens == 8)
     assert all(a.rows == 1 for a in sched if a.cls == "rt")
+    assert all(a.bucket == (0 if a.tokens == 512 else 1) for a in off)
     share = sum(a.rows == 4 for a in off) / len(off)
     assert abs(share - 0.75) < 5 * (0.75 * 0.25 / len(off)) ** 0.5
 
@@ -298,6 +300,31 @@ def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
     assert arm.proxy_rss_mib == {"first": 80.0, "max": 95.0, "last": 95.0}
     probe = next(s for s in arm.loads if s.source == "probe")
     assert PROXY_RSS not in probe.values  # memory is not an instance's load
+    assert json.dumps(arm.to_dict())
+
+
+def test_classes_with_several_sizes_get_figures_per_size():
+    sc = parse_scenario(BURSTY)
+    sched = build_schedule(sc, np.random.default_rng(1))
+    rec = RunRecords.empty(len(sched), t0=0.0)
+    for i, a in enumerate(sched):
+        rec.scheduled[i] = rec.started[i] = a.t
+        # 512-token requests take 100 ms, 8-token ones 10 ms
+        rec.finished[i] = a.t + (0.1 if a.tokens == 512 else 0.01)
+        rec.outcome[i] = Outcome.OK
+    arm = summarize_run("x", sc, sched, rec)
+    assert set(arm.sizes) == {"off 512-512x4", "off 8-8"}  # "rt" has one size: none
+    long, short = arm.sizes["off 512-512x4"], arm.sizes["off 8-8"]
+    assert long.scheduled + short.scheduled == arm.classes["off"].scheduled
+    assert long.p99_ms == pytest.approx(100, rel=0.01)
+    assert short.p99_ms == pytest.approx(10, rel=0.01)
+    rep = Repetition(index=0, seed=1, order=["x"])
+    rep.arms["x"] = arm
+    r = Report(scenario=sc, arms=["x"], baseline=None, repetitions=[rep])
+    table = render_table(r)
+    assert "by size bucket: P50 / P99 ms (pooled)" in table
+    row = next(line for line in table.splitlines() if line.startswith("x ") and "/" in line)
+    assert row.split()[1:] == ["100.0", "/", "100.0", "10.0", "/", "10.0"]
     assert json.dumps(arm.to_dict())
 
 
