@@ -73,7 +73,12 @@ class ExpectedStartParams:
     """``quiet_depth``: a quiet instance must also have nothing of a more important priority
     level in flight (``Candidate.above`` = 0), so the short rows the long batch pads are its
     own level's or lower, never a more important class's. ``quiet_depth`` alone let online's
-    long rows pad real-time batches (above)."""
+    long rows pad real-time batches (above). Measured (``long_share.yaml``, ``quiet_depth:
+    2``, 3 repetitions, docs/benchmarks.md, eleventh round): real-time stayed level with the
+    shallow lane (0.94x / 0.78x / 0.13x the best baseline at x0.25 / x0.5 / x1), but online's
+    P99 did not come down enough (1.26x / 1.48x / 0.27x against 1.36x / 1.37x / 0.27x): its
+    512-token rows still wait behind the lane's offline batches or run in a padded batch.
+    Opt-in."""
 
     def __post_init__(self) -> None:
         if self.quiet_depth < 0:
