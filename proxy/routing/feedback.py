@@ -100,12 +100,12 @@ class InstanceFeedback:
     move). A window is bad when ``queue_us_p95 > queue_p95_threshold_us`` and, with
     ``peer_ratio``, ``median(peers) <= queue_p95_threshold_us`` and
     ``queue_us_p95 > peer_ratio * median(peers)``, where the peers are the model's other
-    instances, each at the P95 of its own latest window (at most ``window_s``
-    plus a scrape old; an instance without traffic counts as 0). A window without traffic (P95
-    unknown) is good. After ``windows`` consecutive bad windows the weight becomes
-    ``max(floor, weight * factor)``; after ``windows`` consecutive good ones it becomes
-    ``min(1, weight / factor)``; each step starts a new streak. Pure apart from the injected
-    clock; the router multiplies the result into ``Candidate.weight``.
+    instances, each at the P95 of its own latest window (at most ``window_s`` plus a scrape
+    old; an instance without traffic counts as 0, one removed from the fleet not at all). A
+    window without traffic (P95 unknown) is good. After ``windows`` consecutive bad windows
+    the weight becomes ``max(floor, weight * factor)``; after ``windows`` consecutive good ones
+    it becomes ``min(1, weight / factor)``; each step starts a new streak. Pure apart from
+    the injected clock; the router multiplies the result into ``Candidate.weight``.
 
     Source: Envoy outlier detection ejects a host after N consecutive errors; here the same
     streak rule lowers a weight instead of ejecting, since a slow instance still serves.
