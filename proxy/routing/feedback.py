@@ -22,7 +22,7 @@ class FeedbackParams:
     When the whole fleet is slow, cutting the weight of whichever instance crossed the
     threshold first only moves its queue to its peers, and load swings between them
     (measured: docs/benchmarks.md, issue 10, eleventh round: at FIFO capacity, 3 of 3
-    repetitions lost online's tail with the absolute rule alone, 1 of 3 with this one).
+    repetitions lost online's tail with the absolute rule alone, 1 of 8 with this one).
     None: the absolute threshold alone; it is also alone while no peer has been evaluated."""
     windows: int = 3
     """Consecutive bad (good) windows before the weight steps down (up)."""
