@@ -146,6 +146,12 @@ class ArmPlan:
     """Keys set on the ``routing:`` section beside the policy (e.g. ``feedback``)."""
 
 
+def _vary(plan: ArmPlan, name: str, description: str, **params: Any) -> ArmPlan:
+    """``plan`` renamed, with ``params`` set on its routing policy's parameters."""
+    policy_params = {**(plan.policy_params or {}), **params}
+    return replace(plan, name=name, description=description, policy_params=policy_params)
+
+
 def _catalog() -> dict[str, ArmPlan]:
     plans = [
         ArmPlan("round_robin", "direct", "client round robin to Triton (a Kubernetes Service)"),
@@ -292,34 +298,34 @@ def _catalog() -> dict[str, ArmPlan]:
         ),
     ]
     shallow = next(p for p in plans if p.name == "proxy_shallow_lane")
-    quiet = replace(
+    quiet = _vary(
         shallow,
-        name="proxy_shallow_lane+quiet",
-        description="proxy_shallow_lane whose uncapped long requests take a quiet instance "
+        "proxy_shallow_lane+quiet",
+        "proxy_shallow_lane whose uncapped long requests take a quiet instance "
         f"(no long work, under {QUIET_DEPTH} in flight) before they join the lane",
-        policy_params={**(shallow.policy_params or {}), "quiet_depth": QUIET_DEPTH},
+        quiet_depth=QUIET_DEPTH,
     )
-    alone = replace(
+    alone = _vary(
         quiet,
-        name="proxy_shallow_lane+alone",
-        description="proxy_shallow_lane+quiet where a quiet instance also has no request of a "
+        "proxy_shallow_lane+alone",
+        "proxy_shallow_lane+quiet where a quiet instance also has no request of a "
         "more important priority level in flight (quiet_alone)",
-        policy_params={**(quiet.policy_params or {}), "quiet_alone": True},
+        quiet_alone=True,
     )
-    alone2 = replace(
+    alone2 = _vary(
         alone,
-        name="proxy_shallow_lane+alone2",
-        description="proxy_shallow_lane+alone with quiet_depth 2: a quiet instance has at "
+        "proxy_shallow_lane+alone2",
+        "proxy_shallow_lane+alone with quiet_depth 2: a quiet instance has at "
         "most one request in flight, so the long row's batch holds at most one short row",
-        policy_params={**(alone.policy_params or {}), "quiet_depth": 2},
+        quiet_depth=2,
     )
     depths = [
-        replace(
+        _vary(
             shallow,
-            name=f"proxy_shallow_lane+depth{depth}",
-            description=f"proxy_shallow_lane with lane_depth {depth}: an uncapped long request "
+            f"proxy_shallow_lane+depth{depth}",
+            f"proxy_shallow_lane with lane_depth {depth}: an uncapped long request "
             f"opens another instance once the lane holds {depth} long requests",
-            policy_params={**(shallow.policy_params or {}), "lane_depth": depth},
+            lane_depth=depth,
         )
         for depth in UNCAPPED_LANE_DEPTHS
     ]

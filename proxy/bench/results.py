@@ -231,6 +231,17 @@ class ArmResult:
         }
 
 
+def window_edges(
+    start: float, duration_s: float, window_s: float = WINDOW_S
+) -> NDArray[np.float64]:
+    """The edges of :func:`window_counts`' windows: ``floor(duration_s / window_s)`` whole
+    windows from ``start``, or one of ``duration_s`` when the period is shorter than one."""
+    n = int(duration_s // window_s)
+    width = window_s if n >= 1 else duration_s
+    edges: NDArray[np.float64] = start + width * np.arange(max(n, 1) + 1)
+    return edges
+
+
 def window_counts(
     finished: NDArray[np.float64], start: float, duration_s: float, window_s: float = WINDOW_S
 ) -> list[int]:
@@ -240,10 +251,7 @@ def window_counts(
     whole windows (a tail shorter than a window is left out); a period shorter than one window
     is one window of its own length. NaN (never finished) counts nowhere.
     """
-    n = int(duration_s // window_s)
-    width = window_s if n >= 1 else duration_s
-    n = max(n, 1)
-    edges = start + width * np.arange(n + 1)
+    edges = window_edges(start, duration_s, window_s)
     done = finished[~np.isnan(finished)]
     done = done[done < edges[-1]]  # half-open windows (histogram closes the last one)
     counts, _ = np.histogram(done, bins=edges)
@@ -261,10 +269,9 @@ def window_owed(
     """Per window of :func:`window_counts`: arrivals scheduled before its end less
     ``grace_s`` (at least its start), less completions (``finished``: the OK ones, NaN for
     none) before its start."""
-    n = int(duration_s // window_s)
-    width = window_s if n >= 1 else duration_s
-    starts = start + width * np.arange(max(n, 1))
-    cutoffs = np.maximum(starts + width - grace_s, starts)
+    edges = window_edges(start, duration_s, window_s)
+    starts = edges[:-1]
+    cutoffs = np.maximum(edges[1:] - grace_s, starts)
     arrived = np.searchsorted(np.sort(scheduled), cutoffs, side="left")
     done = np.sort(finished[~np.isnan(finished)])
     served = np.searchsorted(done, starts, side="left")
@@ -451,11 +458,12 @@ class Report:
     def merged(self, arm: str, cls: str, sizes: bool = False) -> ClassStats | None:
         """One class's stats pooled over every repetition (``sizes``: ``cls`` is one size
         bucket's label, :func:`size_label`)."""
-        parts = [
-            (r.arms[arm].sizes if sizes else r.arms[arm].classes)[cls]
+        groups = [
+            r.arms[arm].sizes if sizes else r.arms[arm].classes
             for r in self.repetitions
-            if arm in r.arms and cls in (r.arms[arm].sizes if sizes else r.arms[arm].classes)
+            if arm in r.arms
         ]
+        parts = [g[cls] for g in groups if cls in g]
         if not parts:
             return None
         out = ClassStats()
