@@ -9,13 +9,15 @@ One local Triton (the one this project runs, `nvidia-pytriton`'s) with `simple` 
 one at a time (each sent after the previous answer), three failing requests: an unknown
 model, `text_generator` (decoupled) with `max_tokens` 0, and `simple` with a wrong shape.
 ``--split`` sends the two non-decoupled ones on one stream and the decoupled one on another.
-``--through-proxy`` sends them through a triton-proxy with the default policy. Stops at the
-first server death and prints after how many streams, with the server's last log lines.
+``--through-proxy`` sends them through a triton-proxy with the default policy, which relays a
+stream that mixes the two kinds as two upstream calls. Stops at the first server death and
+prints after how many streams, with the server's last log lines.
 
 Why: session 12's CI run lost a Triton server to ``ASSERTION FAILED: !byte_buffer->Valid()``
 (SIGABRT) in the compatibility test that sent these three on one stream. Measured with this
-script (session 12): mixed, about 1 abort in 3,000 streams; split, none in 20,000
-(docs/triton-notes.md, "Errors on one gRPC stream").
+script (session 12): mixed, about 1 abort in 3,000 streams; split, none in 20,000; mixed
+through the proxy once it split them, none in 12,000 (docs/triton-notes.md, "Errors on one
+gRPC stream").
 """
 
 from __future__ import annotations

@@ -119,6 +119,14 @@ class Telemetry:
         self.retries = Counter(
             "triton_proxy_retries", "Requests re-sent to another instance", registry=r
         )
+        self.upstream_streams = Counter(
+            "triton_proxy_upstream_streams",
+            "ModelStreamInfer calls opened to Triton, by the kind of model they carry "
+            "(decoupled, other): a client stream that uses both kinds is relayed as one call "
+            "of each, since Triton can abort on a stream mixing their errors",
+            ["kind"],
+            registry=r,
+        )
         self.wakes = Counter(
             "triton_proxy_quiet_wakes",
             "Requests sent to a quiet instance instead of the policy's choice, to wake Triton's "

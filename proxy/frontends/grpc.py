@@ -56,6 +56,8 @@ _NOT_FORWARDED = HOP_BY_HOP | {"content-type", "user-agent"}
 _SERVER_TROUBLE = frozenset(
     (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
 )
+# The label of an upstream stream call by the kind of model it carries (_StreamLegs).
+_KIND = {True: "decoupled", False: "other"}
 _LIVE: bytes = pb.ServerLiveResponse(live=True).SerializeToString()
 _READY: bytes = pb.ServerReadyResponse(ready=True).SerializeToString()
 _NOT_READY: bytes = pb.ServerReadyResponse(ready=False).SerializeToString()
@@ -304,13 +306,10 @@ class GrpcFrontend:
         metadata: Metadata,
         context: Any,
     ) -> None:
-        upstream = rt.grpc_upstreams.stream(
-            instance, method_path("ModelStreamInfer"), metadata, context.time_remaining()
-        )
-        slots = _StreamSlots(rt, klass, upstream, context)
+        legs = _StreamLegs(rt, instance, klass, metadata, context)
         try:
             try:
-                await slots.send(first)
+                await legs.send(first)
             except grpc.aio.AioRpcError as exc:
                 # Only here can a stream be retried elsewhere: nothing else was taken from
                 # the client yet.
@@ -322,27 +321,16 @@ class GrpcFrontend:
                 model, params = read_infer(request)
                 rt.dispatcher.note_sequence(model, params, instance)
 
-            sender = asyncio.create_task(_send_requests(incoming, upstream, slots, on_request))
             try:
-                async for response in upstream:
-                    await slots.answered(response)
+                await legs.relay(incoming, on_request)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _SERVER_TROUBLE:
                     rt.health.check_soon(instance)
                 if upstream_error(exc) is not None:
                     raise UpstreamLostError(exc.details() or "") from exc
                 raise
-            except asyncio.CancelledError:
-                # A failed read of the client's requests cancels the upstream call, whose
-                # responses then read as cancelled: report the read's failure instead.
-                if sender.done() and not sender.cancelled() and sender.exception() is not None:
-                    raise sender.exception() from None  # type: ignore[misc]
-                raise
-            finally:
-                await cancel_and_wait(sender)
         finally:
-            upstream.cancel()
-            await slots.close()
+            await legs.close()
 
     # --- everything else ------------------------------------------------------------------
     async def _relay(self, method: str, request: bytes, context: Any) -> bytes:
@@ -455,24 +443,25 @@ def _with_forward(request: bytes, parameters: Forward) -> bytes:
     return with_parameters(request, parameters.parameters())
 
 
-class _StreamSlots:
-    """The class-gate slots of one stream's messages: each message waits for its own slot
-    (and its bytes are held against the byte budget until written upstream); an answer
-    releases the oldest slot. A decoupled model's answers release it at the final one, when
-    the client asked Triton to flag it (``triton_final_response``), else at the first."""
+class _StreamLeg:
+    """One upstream call of a client's stream, and the class-gate slots of the messages sent
+    on it: each message waits for its own slot (and its bytes are held against the byte
+    budget until written upstream); an answer releases the oldest slot. A decoupled model's
+    answers release it at the final one, when the client asked Triton to flag it
+    (``triton_final_response``), else at the first."""
 
-    def __init__(self, rt: Runtime, klass: str, upstream: Any, context: Any) -> None:
+    def __init__(
+        self, rt: Runtime, klass: str, call: Any, reply: Callable[[bytes], Awaitable[None]]
+    ) -> None:
         self.rt = rt
         self.klass = klass
-        self.upstream = upstream
-        self.context = context
+        self.call = call
+        self.reply = reply
         self.pending: deque[tuple[contextlib.AsyncExitStack, bool]] = deque()
-        self._write = asyncio.Lock()
 
-    async def send(self, request: bytes) -> None:
+    async def send(self, request: bytes, model: str, decoupled: bool) -> None:
         """Admit one message and write it upstream; a refused one is answered in the stream,
         as Triton answers a failed request of a stream."""
-        model, _ = read_infer(request)
         stack = contextlib.AsyncExitStack()
         entry: tuple[contextlib.AsyncExitStack, bool] | None = None
         try:
@@ -481,35 +470,143 @@ class _StreamSlots:
                 priority = await stack.enter_async_context(
                     self.rt.dispatcher.admitted(model, self.klass)
                 )
-                info = self.rt.catalog.cached(model)
                 # Queued before the write: its answer may come before the write returns.
-                entry = (stack, info is not None and info.decoupled)
+                entry = (stack, decoupled)
                 self.pending.append(entry)
-                await self.upstream.write(_with_forward(request, Forward(priority)))
+                await self.call.write(_with_forward(request, Forward(priority)))
         except BaseException as exc:
             if entry is not None and entry in self.pending:
                 self.pending.remove(entry)
             await stack.aclose()
             if not isinstance(exc, ProxyError):
                 raise
-            await self._reply(_stream_error(request, model, exc.message))
+            await self.reply(_stream_error(request, model, exc.message))
 
-    async def answered(self, response: bytes) -> None:
-        if self.pending:
-            stack, decoupled = self.pending[0]
-            if not decoupled or _final_response(response):
-                self.pending.popleft()
-                await stack.aclose()
-        await self._reply(response)
+    async def relay_answers(self) -> None:
+        """Relay this call's answers to the client until Triton ends the call."""
+        async for response in self.call:
+            if self.pending:
+                stack, decoupled = self.pending[0]
+                if not decoupled or _final_response(response):
+                    self.pending.popleft()
+                    await stack.aclose()
+            await self.reply(response)
+
+    async def close(self) -> None:
+        self.call.cancel()
+        while self.pending:
+            stack, _ = self.pending.popleft()
+            await stack.aclose()
+
+
+class _StreamLegs:
+    """A client's stream, relayed to its instance as one upstream call per kind of model.
+
+    Triton 2.51 can abort (gRPC's ``!byte_buffer->Valid()`` assertion, docs/triton-notes.md)
+    on a stream that carries errors of decoupled and non-decoupled models, so the two kinds
+    never share an upstream call: a client stream that uses both is relayed as two calls to
+    the same instance, their answers merged as they come. A stream of one kind (the usual
+    case) is one call, as before. Triton orders a stream's answers only among its
+    non-decoupled requests (a decoupled model answers whenever it produces), and those stay
+    on one call, in the client's order. A model the catalog cannot describe counts as
+    non-decoupled, as Triton counts it.
+
+    The stream ends when the client has half-closed and Triton has ended every call, or at
+    the first failure of any of them (the others are then cancelled).
+    """
+
+    def __init__(
+        self, rt: Runtime, instance: Instance, klass: str, metadata: Metadata, context: Any
+    ) -> None:
+        self.rt = rt
+        self.instance = instance
+        self.klass = klass
+        self.metadata = metadata
+        self.context = context
+        self.legs: dict[bool, _StreamLeg] = {}
+        self._write = asyncio.Lock()
+        # (leg or None for the client's side, its failure or None): one per ended task.
+        self._ended: asyncio.Queue[tuple[_StreamLeg | None, BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def send(self, request: bytes) -> None:
+        model, _ = read_infer(request)
+        decoupled = await self._decoupled(model)
+        leg = self.legs.get(decoupled)
+        if leg is None:
+            call = self.rt.grpc_upstreams.stream(
+                self.instance,
+                method_path("ModelStreamInfer"),
+                self.metadata,
+                self.context.time_remaining(),
+            )
+            leg = self.legs[decoupled] = _StreamLeg(self.rt, self.klass, call, self._reply)
+            self.rt.telemetry.upstream_streams.labels(_KIND[decoupled]).inc()
+            self._watch(leg.relay_answers(), leg)
+        await leg.send(request, model, decoupled)
+
+    async def relay(
+        self, incoming: AsyncIterator[bytes], on_request: Callable[[bytes], None]
+    ) -> None:
+        """Relay the rest of the client's requests and every call's answers; returns when
+        the stream is over, raises the first failure."""
+        self._watch(self._send_rest(incoming, on_request), None)
+        client_done = False
+        ended = 0
+        while not (client_done and ended == len(self.legs)):
+            leg, failure = await self._ended.get()
+            if failure is not None:
+                raise failure
+            if leg is None:
+                client_done = True
+            else:
+                ended += 1
+
+    async def close(self) -> None:
+        await cancel_and_wait(*self._tasks)
+        for leg in self.legs.values():
+            await leg.close()
+
+    async def _send_rest(
+        self, incoming: AsyncIterator[bytes], on_request: Callable[[bytes], None]
+    ) -> None:
+        """Relay the client's requests as they arrive, then half-close every call."""
+        try:
+            async for request in incoming:
+                on_request(request)
+                await self.send(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # a call ended; its side reports how
+        for leg in self.legs.values():
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await leg.call.done_writing()
+
+    def _watch(self, work: Awaitable[None], leg: _StreamLeg | None) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # by close(): nobody waits for the news
+                self._ended.put_nowait((leg, exc))  # the call itself was cancelled
+            except Exception as exc:
+                self._ended.put_nowait((leg, exc))
+            else:
+                self._ended.put_nowait((leg, None))
+
+        self._tasks.append(asyncio.create_task(run()))
+
+    async def _decoupled(self, model: str) -> bool:
+        try:
+            info = await self.rt.catalog.info(model)
+        except ProxyError:
+            return False  # not describable now: Triton answers it, as for an unknown model
+        return info is not None and info.decoupled
 
     async def _reply(self, response: bytes) -> None:
         async with self._write:
             await self.context.write(response)
-
-    async def close(self) -> None:
-        while self.pending:
-            stack, _ = self.pending.popleft()
-            await stack.aclose()
 
 
 def _stream_error(request: bytes, model: str, message: str) -> bytes:
@@ -532,22 +629,3 @@ def _final_response(response: bytes) -> bool:
         return True
     flag = parsed.infer_response.parameters.get("triton_final_response")
     return bool(parsed.error_message) or flag is None or flag.bool_param
-
-
-async def _send_requests(
-    incoming: AsyncIterator[bytes],
-    upstream: Any,
-    slots: _StreamSlots,
-    on_request: Callable[[bytes], None],
-) -> None:
-    """Relay the client's requests as they arrive, then half-close upstream."""
-    try:
-        async for request in incoming:
-            on_request(request)
-            await slots.send(request)
-        await upstream.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        return  # the upstream call ended; the response side reports how
-    except Exception:
-        upstream.cancel()
-        raise

@@ -218,6 +218,80 @@ def test_stream_infer_tokens_are_identical(proxy: ProxyThread, direct: str) -> N
         assert [e.text is not None for e in events] == [True] * 12 + [False]
 
 
+def upstream_streams(proxy: ProxyThread) -> dict[str, float]:
+    """The proxy's ModelStreamInfer calls opened to Triton so far, by kind of model."""
+    registry = proxy.proxy.runtime.telemetry.registry
+    return {
+        kind: registry.get_sample_value("triton_proxy_upstream_streams_total", {"kind": kind})
+        or 0.0
+        for kind in ("decoupled", "other")
+    }
+
+
+async def aio_stream(url: str, requests: list[dict[str, Any]]) -> list[Any]:
+    """Every answer of one aio stream carrying ``requests`` at once: (id, outputs or error),
+    grouped by request id in each request's own order (Triton interleaves requests)."""
+
+    async def gen() -> Any:
+        for request in requests:
+            yield request
+
+    got: list[Any] = []
+    async with aiogrpcclient.InferenceServerClient(url) as c:
+        async for result, error in c.stream_infer(gen(), stream_timeout=30):
+            if error is not None:
+                got.append(("error", str(error)))
+                continue
+            response = result.get_response()
+            outputs = {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}
+            got.append((response.id, outputs))
+    return sorted(got, key=lambda answer: answer[0])
+
+
+async def test_stream_mixing_model_kinds_is_split_upstream(proxy: ProxyThread, direct: str) -> None:
+    """A client stream carrying a decoupled model (text_generator) and a non-decoupled one
+    (simple) gets Triton's answers, each request's in its own order, as directly; the proxy
+    relays it as two upstream calls, one per kind, because Triton can abort on a stream that
+    mixes their errors (docs/triton-notes.md)."""
+    requests = [
+        {"model_name": "text_generator", "inputs": text_inputs("first", 5), "request_id": "g1"},
+        {"model_name": "simple", "inputs": simple_inputs(), "request_id": "s1"},
+        {"model_name": "text_generator", "inputs": text_inputs("second", 3), "request_id": "g2"},
+        {"model_name": "simple", "inputs": simple_inputs(), "request_id": "s2"},
+    ]
+    direct_answers = await aio_stream(direct, requests)
+    before = upstream_streams(proxy)
+    proxied = await aio_stream(proxy.grpc, requests)
+    after = upstream_streams(proxy)
+    assert proxied == direct_answers
+    assert [a[0] for a in proxied] == ["g1"] * 5 + ["g2"] * 3 + ["s1", "s2"]
+    assert {k: after[k] - before[k] for k in after} == {"decoupled": 1, "other": 1}
+
+    # A stream of one kind stays one call.
+    await aio_stream(proxy.grpc, requests[1::2])
+    assert upstream_streams(proxy)["other"] - after["other"] == 1
+    assert upstream_streams(proxy)["decoupled"] == after["decoupled"]
+
+
+async def test_stream_mixing_model_kinds_errors(proxy: ProxyThread) -> None:
+    """The stream that aborted Triton 2.51 about once in 3,000 sent directly (unknown model,
+    a decoupled model's error, a wrong shape; docs/triton-notes.md) gets each request's error
+    through the proxy, which never puts the decoupled model's request on the same upstream
+    call as the others. Not sent directly: it would risk the test fleet's server."""
+    requests = [
+        {"model_name": "no_such_model", "inputs": simple_inputs(), "request_id": "u"},
+        {"model_name": "text_generator", "inputs": text_inputs("x", 0), "request_id": "g"},
+        {"model_name": "simple", "inputs": simple_inputs(8), "request_id": "s"},
+    ]
+    before = upstream_streams(proxy)
+    got = await aio_stream(proxy.grpc, requests)
+    after = upstream_streams(proxy)
+    assert [a[0] for a in got] == ["error"] * 3
+    errors = " | ".join(sorted(a[1] for a in got))
+    assert "no_such_model" in errors and "max_tokens" in errors and "shape" in errors, errors
+    assert {k: after[k] - before[k] for k in after} == {"decoupled": 1, "other": 1}
+
+
 async def test_aio_stream_infer_is_identical(proxy: ProxyThread, direct: str) -> None:
     async def tokens(url: str) -> list[str]:
         async def requests() -> Any:
