@@ -570,13 +570,12 @@ class _StreamLegs:
     async def _send_rest(
         self, incoming: AsyncIterator[bytes], on_request: Callable[[bytes], None]
     ) -> None:
-        """Relay the client's requests as they arrive, then half-close every call."""
-        try:
+        """Relay the client's requests as they arrive, then half-close every call (also
+        when one of them has ended: its side reports how, and the others must end too)."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             async for request in incoming:
                 on_request(request)
                 await self.send(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            return  # a call ended; its side reports how
         for leg in self.legs.values():
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await leg.call.done_writing()
