@@ -451,19 +451,25 @@ class _StreamLeg:
     (``triton_final_response``), else at the first."""
 
     def __init__(
-        self, rt: Runtime, klass: str, call: Any, reply: Callable[[bytes], Awaitable[None]]
+        self,
+        rt: Runtime,
+        klass: str,
+        call: Any,
+        reply: Callable[[bytes], Awaitable[None]],
+        decoupled: bool,
     ) -> None:
         self.rt = rt
         self.klass = klass
         self.call = call
         self.reply = reply
-        self.pending: deque[tuple[contextlib.AsyncExitStack, bool]] = deque()
+        self.decoupled = decoupled
+        """Whether the call carries a decoupled model's requests (all of them, or none)."""
+        self.pending: deque[contextlib.AsyncExitStack] = deque()
 
-    async def send(self, request: bytes, model: str, decoupled: bool) -> None:
+    async def send(self, request: bytes, model: str) -> None:
         """Admit one message and write it upstream; a refused one is answered in the stream,
         as Triton answers a failed request of a stream."""
         stack = contextlib.AsyncExitStack()
-        entry: tuple[contextlib.AsyncExitStack, bool] | None = None
         try:
             check_shapes(grpc_shapes(request), len(request))
             with self.rt.budget.hold(len(request)):
@@ -471,12 +477,11 @@ class _StreamLeg:
                     self.rt.dispatcher.admitted(model, self.klass)
                 )
                 # Queued before the write: its answer may come before the write returns.
-                entry = (stack, decoupled)
-                self.pending.append(entry)
+                self.pending.append(stack)
                 await self.call.write(_with_forward(request, Forward(priority)))
         except BaseException as exc:
-            if entry is not None and entry in self.pending:
-                self.pending.remove(entry)
+            if stack in self.pending:
+                self.pending.remove(stack)
             await stack.aclose()
             if not isinstance(exc, ProxyError):
                 raise
@@ -485,18 +490,14 @@ class _StreamLeg:
     async def relay_answers(self) -> None:
         """Relay this call's answers to the client until Triton ends the call."""
         async for response in self.call:
-            if self.pending:
-                stack, decoupled = self.pending[0]
-                if not decoupled or _final_response(response):
-                    self.pending.popleft()
-                    await stack.aclose()
+            if self.pending and (not self.decoupled or _final_response(response)):
+                await self.pending.popleft().aclose()
             await self.reply(response)
 
     async def close(self) -> None:
         self.call.cancel()
         while self.pending:
-            stack, _ = self.pending.popleft()
-            await stack.aclose()
+            await self.pending.popleft().aclose()
 
 
 class _StreamLegs:
@@ -540,10 +541,11 @@ class _StreamLegs:
                 self.metadata,
                 self.context.time_remaining(),
             )
-            leg = self.legs[decoupled] = _StreamLeg(self.rt, self.klass, call, self._reply)
+            leg = _StreamLeg(self.rt, self.klass, call, self._reply, decoupled)
+            self.legs[decoupled] = leg
             self.rt.telemetry.upstream_streams.labels(_KIND[decoupled]).inc()
             self._watch(leg.relay_answers(), leg)
-        await leg.send(request, model, decoupled)
+        await leg.send(request, model)
 
     async def relay(
         self, incoming: AsyncIterator[bytes], on_request: Callable[[bytes], None]
