@@ -34,6 +34,7 @@ MODEL = "sleeper"
 URL = f"/v2/models/{MODEL}/infer"
 HOLD_MS = 1500
 LONG_MS = 3000
+GRPC_WIRE_SLACK_US = 50_000
 # One dispatch slot for the one instance: a second request waits in the proxy's class queue.
 QUEUEING: dict[str, Any] = {
     "scheduling": {
@@ -274,16 +275,19 @@ async def test_the_rest_of_the_deadline_is_handed_to_triton(server: TritonServer
         async with aiohttp.ClientSession() as session:
             status, text = await post(session, p, body(0), {"Triton-Timeout-Ms": "5000"})
             assert status == 200, text
-            assert 0 < counters_of(json.loads(text)).timeout_us <= 5_000_000
+            assert 4_000_000 < counters_of(json.loads(text)).timeout_us <= 5_000_000
             # A KServe timeout the client set is replaced by what is left of it.
             status, text = await post(session, p, body(0, {"timeout": 4_000_000}))
-            assert 0 < counters_of(json.loads(text)).timeout_us <= 4_000_000
+            assert 3_000_000 < counters_of(json.loads(text)).timeout_us <= 4_000_000
         with grpcclient.InferenceServerClient(p.grpc) as client:
             tensor = grpcclient.InferInput("DELAY_MS", [1, 1], "INT32")
             tensor.set_data_from_numpy(np.array([[0]], dtype=np.int32))
             result = await asyncio.to_thread(client.infer, MODEL, [tensor], client_timeout=5)
             timeout_us = int(result.as_numpy("TIMEOUT_US").reshape(-1)[0])
-            assert 0 < timeout_us <= 5_000_000
+            # gRPC itself may lengthen a deadline on the wire: grpc core encodes a 1-10 s
+            # ``grpc-timeout`` rounded up to 10 ms, from a cached clock that can lag by ms
+            # (CI once saw 5,009,289 us). The proxy hands on what gRPC reports, no more.
+            assert 4_000_000 < timeout_us <= 5_000_000 + GRPC_WIRE_SLACK_US
 
 
 async def test_without_cancel_upstream_abandoned_work_runs_in_triton(
