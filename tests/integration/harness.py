@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from proxy import config as config_mod
@@ -90,6 +90,14 @@ async def _leftover_tasks() -> list[str]:
     await asyncio.sleep(0.05)  # let cancelled handlers finish unwinding
     me = asyncio.current_task()
     return [t.get_name() for t in asyncio.all_tasks() if t is not me and not t.done()]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait (polling every 10 ms) until ``condition()`` holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def triton_successes(server: TritonServer, model: str) -> int:

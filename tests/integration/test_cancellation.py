@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from proxy.frontends.grpc import method_path
 from proxy.local import TritonServer
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, running_proxy, until
 
 pytestmark = pytest.mark.integration
 
@@ -95,13 +93,6 @@ def stats(server: TritonServer) -> dict[str, Any]:
     r = requests.get(f"{server.http_url}/v2/models/{MODEL}/stats", timeout=10)
     inference: dict[str, Any] = r.json()["model_stats"][0]["inference_stats"]
     return inference
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def running_in_triton(p: ProxyThread, count: int = 1) -> None:
