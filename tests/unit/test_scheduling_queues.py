@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.scheduling.config import load_scheduling
+from proxy.scheduling.config import ClassConfig, load_scheduling
 from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
 
 
@@ -511,17 +511,6 @@ def test_by_rank_counts_a_dropped_class_as_the_default_class() -> None:
 
 
 def test_a_class_yields_to_long_work_only_while_its_lane_is_shallow() -> None:
-    q = make(
-        {
-            "rt": {"rank": 0},
-            "off": {
-                "rank": 1,
-                "max_per_instance": 8,
-                "shallow_per_instance": 2,
-                "yield_to_long": True,
-            },
-        }
-    )
-    off, rt = q.config.classes["off"], q.config.classes["rt"]
+    off = ClassConfig(rank=1, max_per_instance=8, shallow_per_instance=2, yield_to_long=True)
     assert off.yields(2) and not off.yields(8) and not off.yields(None)
-    assert not rt.yields(None)
+    assert not ClassConfig(rank=0).yields(None)
