@@ -114,9 +114,6 @@ class Placing:
     request: RouteRequest
     work: Work
     placement: Placement
-    yield_s: float | None = None
-    """Longest wait for a more important class's long work to leave the chosen instance
-    (the class's ``yield_to_long``); None: the request does not yield."""
 
 
 class RetryGate(Protocol):
@@ -392,13 +389,9 @@ class Dispatcher:
         call, arm, klass = r.call, r.arm, r.klass
         batch = r.info.max_batch_size if r.info is not None else 1
         cap = depth
-        yield_s = None
-        cls = arm.admission.config.classes.get(klass) if arm.admission is not None else None
-        if cls is not None:
-            if cap is None:
-                cap = cls.max_per_instance
-            if priority and cls.yields(cap):
-                yield_s = cls.yield_max_s
+        if cap is None and arm.admission is not None:
+            cls = arm.admission.config.classes.get(klass)
+            cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
         request = RouteRequest(
@@ -411,8 +404,7 @@ class Dispatcher:
             class_cap=cap,
             batch=max(1, batch),
         )
-        work = Work(class_name=klass, level=level, long=long)
-        return Placing(request, work, arm.placement, yield_s)
+        return Placing(request, Work(class_name=klass, level=level, long=long), arm.placement)
 
     async def _send(
         self,
@@ -430,13 +422,8 @@ class Dispatcher:
         tried: set[str] = set()
         self.retries.record_request()
         request, work = placing.request, placing.work
-        yield_s = placing.yield_s
         while True:
             instance = self._place(call, placing, frozenset(tried))
-            if yield_s is not None and instance.long_above(call.model, work.level):
-                await self._yield(instance, call.model, work, yield_s)
-                yield_s = None  # placed again, once: it waits at most yield_s in all
-                continue
             try:
                 # Ran alone: no other request of the model on the instance when it was sent
                 # nor when it finished, so its time is one batch of itself (the cost model).
@@ -524,15 +511,6 @@ class Dispatcher:
             if len(tried) > self.max_retries or not self.retries.try_retry():
                 raise ProxyError(failure.code, f"{failure.message}; no retry left") from failure
             self.telemetry.retries.inc()
-
-    async def _yield(self, instance: Instance, model: str, work: Work, wait_s: float) -> None:
-        """Hold a request of a ``yield_to_long`` class back from ``instance`` until no long
-        request of a more important level is in flight there, or for ``wait_s``."""
-        self.telemetry.yields.labels(work.class_name).inc()
-        clock = self.fleet.clock
-        until = clock.now() + wait_s
-        while instance.long_above(model, work.level) and (left := until - clock.now()) > 0:
-            await self.fleet.long_finished(instance, left)
 
     @contextlib.asynccontextmanager
     async def admitted(self, model: str, klass: str) -> AsyncIterator[int | None]:

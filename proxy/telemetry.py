@@ -127,13 +127,6 @@ class Telemetry:
             ["kind"],
             registry=r,
         )
-        self.yields = Counter(
-            "triton_proxy_yields",
-            "Requests held back from an instance while a more important class's long request "
-            "was in flight there (a class's yield_to_long), by class",
-            ["class"],
-            registry=r,
-        )
         self.wakes = Counter(
             "triton_proxy_quiet_wakes",
             "Requests sent to a quiet instance instead of the policy's choice, to wake Triton's "

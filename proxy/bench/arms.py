@@ -38,9 +38,7 @@ Every arm sends the same schedule to the same local Triton servers:
   take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
   quiet instance must also have nothing of a more important level in flight
   (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
-  ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+yield``: the lane
-  holds its next offline request back from an instance while a more important long request is
-  in flight there (``yield_to_long``).
+  ``quiet_depth`` of 2 (at most one short row in the long row's batch).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -142,9 +140,6 @@ class ArmPlan:
     lowest_shallow_per_instance: int | None = None
     """``shallow_per_instance`` of the lowest-ranked class (its lane's depth while it keeps
     up)."""
-    lowest_yields: bool = False
-    """``yield_to_long`` of the lowest-ranked class (its shallow lane holds back while a more
-    important long request is in flight on the instance)."""
     policy_params: Mapping[str, Any] | None = None
     """The routing policy's parameters (none: its defaults)."""
     routing: Mapping[str, Any] | None = None
@@ -341,16 +336,8 @@ def _catalog() -> dict[str, ArmPlan]:
         "its queue moves (a long online row waits for, and joins, a smaller offline batch)",
         lowest_shallow_per_instance=1,
     )
-    yields = replace(
-        shallow,
-        name="proxy_shallow_lane+yield",
-        description="proxy_shallow_lane whose lane holds its next offline request back from an "
-        "instance while a more important long request is in flight there (yield_to_long), so "
-        "the long row's batch gets no more offline rows than were queued before it",
-        lowest_yields=True,
-    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, yields]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1]
     return {p.name: p for p in plans}
 
 
@@ -497,8 +484,6 @@ def proxy_policy(
             if plan.lowest_shallow_per_instance is not None:
                 shallow = plan.lowest_shallow_per_instance
                 section["classes"][lowest]["shallow_per_instance"] = shallow
-            if plan.lowest_yields:
-                section["classes"][lowest]["yield_to_long"] = True
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

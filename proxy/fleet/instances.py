@@ -6,7 +6,6 @@ exit path (success, error, cancellation) decrements exactly once.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -183,8 +182,6 @@ class Instance:
     """Requests in flight by (model, class)."""
     level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
     """Requests in flight by (model, Triton priority level); level 0 = the model's default."""
-    long_level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
-    """Long requests in flight by (model, Triton priority level)."""
     last_sent: dict[str, float] = field(default_factory=dict)
     """Clock time this proxy last sent a request of each model here (proxy.routing.wake)."""
     woken_at: float = float("-inf")
@@ -203,15 +200,6 @@ class Instance:
                 if lv < level:
                     above += n
         return ahead, above
-
-    def long_above(self, model: str, level: int) -> int:
-        """Long requests of ``model`` in flight here at a more important level than ``level``
-        (none when ``level`` is 0, the model's default)."""
-        if level <= 0 or not self.long_level_in_flight:
-            return 0
-        return sum(
-            n for (m, lv), n in self.long_level_in_flight.items() if m == model and 0 < lv < level
-        )
 
     models_out: dict[str, ModelOut] = field(default_factory=dict)
     """Models taken out of rotation on this instance alone, re-probed with backoff."""
@@ -244,7 +232,6 @@ class Fleet:
         left by the next send there)."""
         self.positions: dict[str, int] = {}
         """Instance name -> its place in policy order (ties between instances go by it)."""
-        self._long_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._adopted()
 
     def _adopted(self) -> None:
@@ -301,7 +288,6 @@ class Fleet:
         ]
         if work.long:
             counters.append((instance.long_in_flight, model))
-            counters.append((instance.long_level_in_flight, (model, work.level)))
         instance.in_flight += 1
         for counter, key in counters:
             counter[key] += 1
@@ -324,27 +310,6 @@ class Fleet:
             if stream:
                 instance.streams -= 1
             journal.append(instance.name)
-            if work.long and instance.name in self._long_waiters:
-                for waiter in self._long_waiters.pop(instance.name):
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-    async def long_finished(self, instance: Instance, timeout_s: float) -> None:
-        """Return when a long request in flight on ``instance`` finishes, or after
-        ``timeout_s`` (whichever comes first)."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self._long_waiters.setdefault(instance.name, [])
-        waiters.append(waiter)
-        try:
-            await asyncio.wait((waiter,), timeout=timeout_s)
-        finally:
-            if not waiter.done():
-                waiter.cancel()
-                waiters = self._long_waiters.get(instance.name, [])
-                if waiter in waiters:
-                    waiters.remove(waiter)
-                if not waiters:
-                    self._long_waiters.pop(instance.name, None)
 
     def total_in_flight(self) -> int:
         return sum(i.in_flight for i in self.instances.values())

@@ -721,22 +721,6 @@ def routing() -> Dashboard:
                         unit="percentunit",
                         width=12,
                     ),
-                    Panel(
-                        "Placement overrides: requests held back for more important long work "
-                        "(yield_to_long), and sent to a quiet instance (routing.wake)",
-                        (
-                            Target(
-                                f"sum by (class) (rate(triton_proxy_yields_total[{RATE}]))",
-                                "yield {{class}}",
-                            ),
-                            Target(
-                                f"sum(rate(triton_proxy_quiet_wakes_total[{RATE}]))",
-                                "quiet wakes",
-                            ),
-                        ),
-                        unit="reqps",
-                        width=24,
-                    ),
                 ),
             ),
         ),

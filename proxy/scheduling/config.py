@@ -92,15 +92,6 @@ class ClassConfig:
     deepen_after_s: float = 1.0
     """How long the class's oldest queued request may wait before its lane returns to
     ``max_per_instance`` (with ``shallow_per_instance``)."""
-    yield_to_long: bool = False
-    """With ``shallow_per_instance``, while the lane is shallow: a request of the class placed
-    on an instance where a more important class's *long* request is in flight waits (holding
-    its slot) until a long request finishes there, at most ``yield_max_s``, and is placed
-    again. Triton fills the long request's batch from its queue, lower levels last: what this
-    class sends there meanwhile would pad it. A backlog (the deep lane) does not yield, so the
-    class keeps its floor under overload."""
-    yield_max_s: float = 0.1
-    """Longest wait of one request under ``yield_to_long``."""
     spare_idle_s: float = 1.0
     """How long the more important classes must have been idle before the class may use its
     ``spare_instances`` too."""
@@ -145,10 +136,6 @@ class ClassConfig:
                     "shallow_per_instance must be between 1 and max_per_instance "
                     f"({self.max_per_instance}), got {self.shallow_per_instance}"
                 )
-        if self.yield_to_long and self.shallow_per_instance is None:
-            raise ValueError("yield_to_long needs shallow_per_instance (it yields while shallow)")
-        if not self.yield_max_s > 0:
-            raise ValueError(f"yield_max_s must be > 0, got {self.yield_max_s}")
         if not 0.0 <= self.min_share <= 1.0:
             raise ValueError(f"min_share must be within [0, 1], got {self.min_share}")
         if not 0.0 < self.max_share <= 1.0:
@@ -170,10 +157,6 @@ class ClassConfig:
         """The instances the class may run on: all but ``spare_instances`` (at least one),
         or all of them when the spares are lent (``spare=False``)."""
         return max(1, instances - self.spare_instances) if spare else instances
-
-    def yields(self, depth: int | None) -> bool:
-        """Whether a request dispatched at per-instance ``depth`` yields to long work."""
-        return self.yield_to_long and depth is not None and depth == self.shallow_per_instance
 
     def depth(self, waited_s: float | None = None) -> int | None:
         """Requests of the class in flight per instance now, its oldest queued request having

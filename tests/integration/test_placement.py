@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from proxy.scheduling import GateObserver
-from tests.integration.harness import ProxyThread, running_proxy, until
+from tests.integration.harness import ProxyThread, running_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -198,61 +198,3 @@ async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None
         assert shallow_peak <= 1, watch.peak
         assert max(watch.peak.values()) == 4, watch.peak
         assert watch.widest == 2, watch.widest
-
-
-BULK_KEY = "bulk-key"
-YIELD_POLICY: dict[str, Any] = {
-    "routing": {"policy": {"name": "expected_start", "params": {"long_placement": "pack"}}},
-    "scheduling": {
-        "default_class": "offline",
-        "api_keys": {BULK_KEY: {"class_name": "bulk"}, OFF_KEY: {"class_name": "offline"}},
-        "classes": {
-            # Capped, so its requests are long work; more important than offline.
-            "bulk": {"rank": 0, "triton_priority": 2, "max_per_instance": 4},
-            "offline": {
-                "rank": 1,
-                "triton_priority": 3,
-                "max_per_instance": 2,
-                "shallow_per_instance": 1,
-                "yield_to_long": True,
-                "yield_max_s": 5,
-            },
-        },
-    },
-}
-
-
-async def batch_of(session: aiohttp.ClientSession, key: str, tokens: int) -> int:
-    """Rows in the batch Triton ran one accel_sim request of ``tokens`` in."""
-    headers = {"Authorization": f"Bearer {key}"}
-    async with session.post(URL, data=body(tokens), headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        outputs = {o["name"]: o["data"] for o in (await resp.json())["outputs"]}
-        return int(outputs["BATCH_SIZE"][0])
-
-
-async def test_a_yielding_lane_pads_no_more_important_long_batch(triton_fleet: Any) -> None:
-    # One server. Offline A runs (about 200 ms); bulk B, long and more important, queues in
-    # Triton behind it; offline C queues in the gate behind A (a shallow lane of 1). When A
-    # ends, C is dispatched while B waits for the batch Triton forms next: without the yield C
-    # would be in Triton's queue within a millisecond, inside the batcher's 2 ms window, and
-    # B's batch would carry C's rows. With it, C waits until B has finished.
-    with running_proxy(triton_fleet.servers[:1], YIELD_POLICY) as p:
-        [server] = p.runtime.fleet.all()
-
-        def in_flight(klass: str) -> int:
-            return server.class_in_flight.get(("accel_sim", klass), 0)
-
-        async with aiohttp.ClientSession(f"http://{p.http}") as session:
-            a = asyncio.ensure_future(batch_of(session, OFF_KEY, 150_000))
-            await until(lambda: in_flight("offline") == 1)
-            await asyncio.sleep(0.05)  # A reaches Triton and starts
-            b = asyncio.ensure_future(batch_of(session, BULK_KEY, 20_000))
-            await until(lambda: in_flight("bulk") == 1)
-            c = asyncio.ensure_future(batch_of(session, OFF_KEY, 512))
-            sizes = await asyncio.gather(a, b, c)
-        yields = p.runtime.telemetry.registry.get_sample_value(
-            "triton_proxy_yields_total", {"class": "offline"}
-        )
-    assert sizes == [1, 1, 1]
-    assert yields == 1

@@ -1,4 +1,3 @@
-import asyncio
 import contextlib
 
 from proxy.clock import FakeClock
@@ -89,43 +88,3 @@ def test_ahead_of_counts_the_same_or_more_important_levels_and_those_above() -> 
         assert inst.ahead_of("m", 3) == (4, 3)  # the default level (0) is neither
         assert inst.ahead_of("m", None) == (5, 0)  # no level: every request of the model
     assert inst.ahead_of("m", 2) == (0, 0)
-
-
-def test_long_work_is_counted_by_level() -> None:
-    fleet, _ = make()
-    inst = fleet.get("i0")
-    with (
-        fleet.track(inst, "m", work=Work("online", level=2, long=True)),
-        fleet.track(inst, "m", work=Work("rt", level=1, long=False)),
-        fleet.track(inst, "other", work=Work("online", level=1, long=True)),
-    ):
-        # Only long work of the model at a more important level than the one asked about.
-        assert (inst.long_above("m", 3), inst.long_above("m", 2), inst.long_above("m", 0)) == (
-            1,
-            0,
-            0,
-        )
-    assert inst.long_above("m", 3) == 0 and not inst.long_level_in_flight
-
-
-async def test_long_finished_returns_when_long_work_ends_or_at_its_timeout() -> None:
-    fleet, _ = make()
-    inst = fleet.get("i0")
-    loop = asyncio.get_running_loop()
-
-    # Woken by the end of a long request there, not by a short one.
-    with contextlib.ExitStack() as held:
-        held.enter_context(fleet.track(inst, "m", work=Work("online", level=2, long=True)))
-        waiting = asyncio.ensure_future(fleet.long_finished(inst, timeout_s=30))
-        await asyncio.sleep(0)
-        with fleet.track(inst, "m", work=Work("rt", level=1)):
-            pass
-        await asyncio.sleep(0.01)
-        assert not waiting.done()
-    await asyncio.wait_for(waiting, timeout=1)
-
-    # Nothing ends: back after its timeout, leaving no waiter behind.
-    started = loop.time()
-    await fleet.long_finished(inst, timeout_s=0.05)
-    assert loop.time() - started >= 0.05
-    assert not fleet._long_waiters

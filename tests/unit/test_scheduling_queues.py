@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.scheduling.config import ClassConfig, load_scheduling
+from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
 
 
@@ -428,8 +428,6 @@ def test_a_shallow_lane_deepens_while_its_queue_is_stuck() -> None:
         ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 3}, "between 1 and"),
         ({"rank": 1, "max_per_instance": 2, "shallow_per_instance": 0}, "between 1 and"),
         ({"rank": 1, "deepen_after_s": 0}, "deepen_after_s must be > 0"),
-        ({"rank": 1, "max_per_instance": 2, "yield_to_long": True}, "needs shallow_per_instance"),
-        ({"rank": 1, "yield_max_s": 0}, "yield_max_s must be > 0"),
     ],
 )
 def test_shallow_per_instance_is_checked(cls: dict[str, Any], error: str) -> None:
@@ -508,9 +506,3 @@ def test_by_rank_counts_a_dropped_class_as_the_default_class() -> None:
     q.push("r1", "rt", now=0.1)
     # The two dropped offline requests now count as online: online has no slot, real-time has.
     assert drain(q, now=0.1, capacity=2) == ["r1"]
-
-
-def test_a_class_yields_to_long_work_only_while_its_lane_is_shallow() -> None:
-    off = ClassConfig(rank=1, max_per_instance=8, shallow_per_instance=2, yield_to_long=True)
-    assert off.yields(2) and not off.yields(8) and not off.yields(None)
-    assert not ClassConfig(rank=0).yields(None)
