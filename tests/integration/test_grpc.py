@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from proxy.frontends.common import SHARED_MEMORY_MESSAGE
 from proxy.frontends.grpc import SERVICE, method_path
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, running_proxy, until
 
 pytestmark = pytest.mark.integration
 
@@ -427,13 +427,6 @@ def test_malformed_message_is_refused_with_a_clear_error(proxy: ProxyThread, dir
     assert "could not parse the ModelInferRequest" in details
 
 
-async def _until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
-
-
 async def test_client_cancel_ends_the_upstream_stream(proxy: ProxyThread) -> None:
     async def requests() -> Any:
         yield {"model_name": "text_generator", "inputs": text_inputs("long", 500)}
@@ -447,7 +440,7 @@ async def test_client_cancel_ends_the_upstream_stream(proxy: ProxyThread) -> Non
         assert proxy.runtime.fleet.total_in_flight() == 1
         stream.cancel()
     # The whole generation would take 15 s; the proxy lets go of it as soon as the client does.
-    await _until(lambda: proxy.runtime.fleet.total_in_flight() == 0)
+    await until(lambda: proxy.runtime.fleet.total_in_flight() == 0)
 
 
 # --- what reaches the instance: a fake Triton records it ------------------------------------
@@ -551,7 +544,7 @@ async def test_client_cancel_cancels_the_upstream_call(
         await asyncio.to_thread(triton.seen.get, timeout=10)
         call.cancel()
     assert await asyncio.to_thread(triton.cancelled.wait, 10)
-    await _until(lambda: p.runtime.fleet.total_in_flight() == 0)
+    await until(lambda: p.runtime.fleet.total_in_flight() == 0)
 
 
 # --- limits, retries, model control, shared memory ------------------------------------------
