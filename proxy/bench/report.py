@@ -83,6 +83,7 @@ def render_table(report: Report) -> str:
                 f"{_ratio(report.ratio(arm, cls, 'p50_ms')):<12}"
             )
     lines += _size_lines(report, w)
+    lines += _tail_lines(report, w)
     lines += ["", f"{'arm':<{w}} {'req/s':>8} {'least-served class':>28} {'lag max ms':>11}  notes"]
     for arm in report.arms:
         results = [r.arms[arm] for r in report.repetitions if arm in r.arms]
@@ -151,6 +152,46 @@ def _size_lines(report: Report, w: int) -> list[str]:
             cells.append("-" if c is None else f"{_ms(c.p50_ms)} / {_ms(c.p99_ms)}")
         lines.append(f"{arm:<{w}} " + " ".join(f"{x:>{cw}}" for x in cells))
     return lines
+
+
+def _tail_lines(report: Report, w: int) -> list[str]:
+    """Where the slowest requests' time went (:attr:`ClassStats.tail`), per class or size
+    bucket: median wait before their batch + median run of it, and the batch's median rows x
+    padded length. Empty when the model reports no batches."""
+    sc = report.scenario
+    labels: list[tuple[str, bool]] = []
+    for cls in sc.class_names:
+        n = len(sc.classes[cls].sizes)
+        labels += [(size_label(sc, cls, b), True) for b in range(n)] if n > 1 else [(cls, False)]
+    cells: dict[str, list[str]] = {}
+    for arm in report.arms:
+        row = []
+        for label, sized in labels:
+            c = report.merged(arm, label, sizes=sized)
+            row.append("-" if c is None or not c.tail else _tail_cell(c.tail))
+        cells[arm] = row
+    if all(x == "-" for row in cells.values() for x in row):
+        return []
+    cw = max(20, *(len(x) for x, _ in labels))
+    lines = [
+        "",
+        "slowest 1% of each repetition: wait + run ms (median), batch rows x padded length "
+        "(median)",
+        f"{'arm':<{w}} " + " ".join(f"{x:>{cw}}" for x, _ in labels),
+    ]
+    for arm, row in cells.items():
+        lines.append(f"{arm:<{w}} " + " ".join(f"{x:>{cw}}" for x in row))
+    return lines
+
+
+def _tail_cell(tail: list[tuple[float, int, int, int]]) -> str:
+    a = np.asarray(tail, dtype=np.float64)
+    run_ms = a[:, 3] / 1000.0
+    wait_ms = np.maximum(a[:, 0] - run_ms, 0.0)
+    return (
+        f"{np.median(wait_ms):.0f}+{np.median(run_ms):.0f} "
+        f"{np.median(a[:, 1]):.0f}x{np.median(a[:, 2]):.0f}"
+    )
 
 
 def write_json(report: Report, path: str | Path) -> Path:

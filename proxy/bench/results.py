@@ -18,6 +18,11 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
 - ``sizes``: for a class with several size buckets, the same figures per bucket
   (:func:`size_label`): a class's tail is often one bucket's (issue 10: online's 512-token
   rows, a third of online's requests, set its P99);
+- ``tail``: where a class's (and size bucket's) slowest requests spent their time, when the
+  model reports the batch each request ran in (``accel_sim``): each repetition's slowest
+  :data:`TAIL_SHARE` with the batch's rows, padded length and device time, so the report can
+  split their latency into the run of their batch and the wait before it (queues, the
+  proxy, the network);
 - the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`).
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
@@ -43,6 +48,8 @@ WINDOW_S = 10.0
 """Width of the completion-count windows (offline completions per 10 s window)."""
 GRACE_S = 1.0
 """Arrivals in a window's last second are owed to the next one: serving takes time."""
+TAIL_SHARE = 0.01
+"""The slowest share of a run's requests whose batches :attr:`ClassStats.tail` keeps."""
 PROXY_RSS = "proxy rss MiB"
 """Probe sample key holding the proxy process's resident memory (proxy arms only)."""
 
@@ -59,6 +66,9 @@ class ClassStats:
     duration_s: float = 0.0
     latency_us: Histogram = field(default_factory=Histogram)
     """Latency of successful requests, from their scheduled send time, microseconds."""
+    tail: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """``(latency ms, batch rows, padded length, batch cost us)`` of each repetition's slowest
+    :data:`TAIL_SHARE` of the requests that reported their batch (module doc)."""
 
     def quantile_ms(self, q: float) -> float | None:
         v = self.latency_us.quantile(q)
@@ -112,6 +122,7 @@ class ClassStats:
         self.duration_s += other.duration_s
         self.slo_p99_ms = self.slo_p99_ms if self.slo_p99_ms is not None else other.slo_p99_ms
         self.latency_us.merge(other.latency_us)
+        self.tail.extend(other.tail)
 
     def figures(self) -> dict[str, float | int | bool | None]:
         return {
@@ -136,6 +147,7 @@ class ClassStats:
             **self.figures(),
             "duration_s": self.duration_s,
             "latency_us": self.latency_us.to_dict(),
+            "tail": [list(t) for t in self.tail],
         }
 
 
@@ -285,6 +297,23 @@ def size_label(scenario: Scenario, cls: str, bucket: int) -> str:
     return f"{cls} {b.lo}-{b.hi}{rows}"
 
 
+def slowest_batches(
+    latency_s: NDArray[np.float64], batch: NDArray[np.int32], share: float = TAIL_SHARE
+) -> list[tuple[float, int, int, int]]:
+    """The slowest ``share`` (at least one) of the requests that reported their batch:
+    ``(latency ms, rows, padded length, cost us)``, slowest first."""
+    known = batch[:, 0] >= 0
+    if not known.any():
+        return []
+    lat, seen = latency_s[known], batch[known]
+    k = max(1, int(len(lat) * share))
+    order = np.argsort(lat)[::-1][:k]
+    return [
+        (round(float(lat[i]) * 1000.0, 3), int(seen[i, 0]), int(seen[i, 1]), int(seen[i, 2]))
+        for i in order
+    ]
+
+
 def rss_summary(rec: RunRecords) -> dict[str, float] | None:
     """First, max and last probed proxy RSS (MiB), or None when no probe reported it."""
     values = [s[PROXY_RSS] for _, s in rec.load_samples if PROXY_RSS in s]
@@ -332,6 +361,7 @@ def summarize_run(
         if slo_p99_ms is not None:
             stats.within_slo = int((lat_ok * 1000.0 <= slo_p99_ms).sum())
         stats.latency_us.record_many(np.round(np.maximum(lat_ok, 0.0) * US).astype(np.int64))
+        stats.tail = slowest_batches(lat[sel][ok], rec.batch[sel][ok])
         return stats
 
     for k, cname in enumerate(scenario.class_names):

@@ -57,6 +57,8 @@ class SendResult:
     instance: str | None = None
     """Which server answered, when the client can tell."""
     error: str | None = None
+    batch: tuple[int, int, int] | None = None
+    """The batch the request ran in, when the model reports it (:func:`batch_seen`)."""
 
 
 class Target(Protocol):
@@ -135,6 +137,41 @@ class RequestEncoder:
         if arrival.session is not None:
             headers["x-session-id"] = arrival.session
         return body, headers
+
+
+BATCH_OUTPUTS = ("BATCH_SIZE", "PADDED_LENGTH", "BATCH_COST_US")
+"""Outputs of ``accel_sim`` that say which batch a request ran in: its rows, the length every
+row was padded to, and the emulated device time it took (microseconds)."""
+
+
+def batch_seen(headers: Sequence[tuple[str, str]], body: bytes) -> tuple[int, int, int] | None:
+    """``(rows, padded length, cost in us)`` of the batch a successful answer ran in, read from
+    :data:`BATCH_OUTPUTS` (binary or JSON outputs; the first row's value), or None when the
+    model does not report them. Only the small JSON header is parsed; the tensors are not
+    copied."""
+    length = next((v for k, v in headers if k.lower() == "inference-header-content-length"), None)
+    try:
+        header_len = int(length) if length is not None else len(body)
+        doc = json.loads(body[:header_len])
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    found: dict[str, int] = {}
+    offset = header_len
+    for out in doc.get("outputs") or ():
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        name = out.get("name")
+        if size is not None:
+            if name in BATCH_OUTPUTS and out.get("datatype") == "INT64" and size >= 8:
+                found[name] = int.from_bytes(body[offset : offset + 8], "little", signed=True)
+            offset += int(size)
+        elif name in BATCH_OUTPUTS and out.get("data"):
+            found[name] = int(out["data"][0])
+    if len(found) < len(BATCH_OUTPUTS):
+        return None
+    rows, padded, cost = (found[k] for k in BATCH_OUTPUTS)
+    return rows, padded, cost
 
 
 # -- HTTP targets --------------------------------------------------------------------------
@@ -220,7 +257,7 @@ class HttpTarget:
         if instance is None and self._header:
             instance = next((v for n, v in resp.headers if n.lower() == self._header), None)
         if resp.status == 200:
-            return SendResult(Outcome.OK, 200, instance)
+            return SendResult(Outcome.OK, 200, instance, batch=batch_seen(resp.headers, resp.body))
         if resp.status == 429:  # the whole message: its reason is near the end
             return SendResult(Outcome.SHED, 429, instance, _error_text(resp.body, 400))
         return SendResult(Outcome.ERROR, resp.status, instance, _error_text(resp.body))
@@ -408,6 +445,9 @@ class RunRecords:
     status: NDArray[np.int16]
     instance: NDArray[np.int16]
     """Index into ``instances``, -1 when the client could not tell."""
+    batch: NDArray[np.int32]
+    """Per request ``(rows, padded length, cost in us)`` of the batch it ran in
+    (:func:`batch_seen`); -1 where unknown."""
     instances: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     sheds: Counter[str] = field(default_factory=Counter)
@@ -427,6 +467,7 @@ class RunRecords:
             outcome=np.full(n, PENDING, dtype=np.int8),
             status=np.zeros(n, dtype=np.int16),
             instance=np.full(n, -1, dtype=np.int16),
+            batch=np.full((n, 3), -1, dtype=np.int32),
         )
 
     @property
@@ -477,6 +518,8 @@ async def run_schedule(
             rec.status[i] = result.status
             if result.instance is not None:
                 rec.instance[i] = rec.instance_index(result.instance)
+            if result.batch is not None:
+                rec.batch[i] = result.batch
             counts.done += 1
             if result.outcome == Outcome.OK:
                 counts.ok += 1

@@ -37,7 +37,7 @@ from proxy.bench.results import (
     window_counts,
     window_owed,
 )
-from proxy.bench.runner import Outcome, RequestEncoder, RunRecords, shed_reason
+from proxy.bench.runner import Outcome, RequestEncoder, RunRecords, batch_seen, shed_reason
 from proxy.bench.scenario import (
     Arrival,
     Burst,
@@ -312,6 +312,9 @@ def test_classes_with_several_sizes_get_figures_per_size():
         # 512-token requests take 100 ms, 8-token ones 10 ms
         rec.finished[i] = a.t + (0.1 if a.tokens == 512 else 0.01)
         rec.outcome[i] = Outcome.OK
+        # the long ones ran in batches of 4 x 512 tokens taking 60 ms: 40 ms waited before
+        rec.batch[i] = (4, 512, 60_000) if a.tokens == 512 else (1, 8, 5_000)
+    rec.batch[0] = -1  # one answer did not say: left out of the tail, counted in the rest
     arm = summarize_run("x", sc, sched, rec)
     assert set(arm.sizes) == {"off 512-512x4", "off 8-8"}  # "rt" has one size: none
     long, short = arm.sizes["off 512-512x4"], arm.sizes["off 8-8"]
@@ -325,7 +328,57 @@ def test_classes_with_several_sizes_get_figures_per_size():
     assert "by size bucket: P50 / P99 ms (pooled)" in table
     row = next(line for line in table.splitlines() if line.startswith("x ") and "/" in line)
     assert row.split()[1:] == ["100.0", "/", "100.0", "10.0", "/", "10.0"]
+    assert len(long.tail) == max(1, long.ok // 100) and long.tail[0] == (100.0, 4, 512, 60_000)
+    tail = table.split("slowest 1% of each repetition")[1].splitlines()
+    row = next(line for line in tail if line.startswith("x "))
+    # rt, off 512-512x4, off 8-8: wait + run, rows x padded length
+    assert row.split()[1:] == ["5+5", "1x8", "40+60", "4x512", "5+5", "1x8"]
     assert json.dumps(arm.to_dict())
+
+
+def _answer(outputs: list[tuple[str, str, bytes]]) -> tuple[list[tuple[str, str]], bytes]:
+    header = json.dumps(
+        {
+            "model_name": "accel_sim",
+            "outputs": [
+                {
+                    "name": n,
+                    "datatype": d,
+                    "shape": [2, 1],
+                    "parameters": {"binary_data_size": len(b)},
+                }
+                for n, d, b in outputs
+            ],
+        }
+    ).encode()
+    headers = [("Inference-Header-Content-Length", str(len(header)))]
+    return headers, header + b"".join(b for _, _, b in outputs)
+
+
+def test_batch_seen_reads_the_batch_a_request_ran_in():
+    i64 = lambda *v: np.array(v, dtype=np.int64).tobytes()  # noqa: E731
+    outputs = [
+        ("OUTPUT", "FP32", np.zeros(16, dtype=np.float32).tobytes()),
+        ("BATCH_SIZE", "INT64", i64(5, 5)),
+        ("PADDED_LENGTH", "INT64", i64(512, 512)),
+        ("BATCH_COST_US", "INT64", i64(56_200, 56_200)),
+    ]
+    assert batch_seen(*_answer(outputs)) == (5, 512, 56_200)
+    assert batch_seen(*_answer(outputs[:3])) is None  # a model that does not say all three
+    assert batch_seen(*_answer([])) is None
+    assert batch_seen([("Inference-Header-Content-Length", "9")], b"not json at all") is None
+    doc = {
+        "outputs": [
+            {"name": "BATCH_SIZE", "datatype": "INT64", "shape": [1, 1], "data": [3]},
+            {"name": "PADDED_LENGTH", "datatype": "INT64", "shape": [1, 1], "data": [64]},
+            {"name": "BATCH_COST_US", "datatype": "INT64", "shape": [1, 1], "data": [9000]},
+        ]
+    }
+    assert batch_seen([("Content-Type", "application/json")], json.dumps(doc).encode()) == (
+        3,
+        64,
+        9000,
+    )
 
 
 def test_rss_parsing(tmp_path):
