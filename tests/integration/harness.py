@@ -92,11 +92,14 @@ async def _leftover_tasks() -> list[str]:
     return [t.get_name() for t in asyncio.all_tasks() if t is not me and not t.done()]
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait (polling every 10 ms) until ``condition()`` holds; fail after ``timeout_s``."""
+async def until(
+    condition: Callable[[], bool], timeout_s: float = 10.0, failure: str = "condition not reached"
+) -> None:
+    """Wait (polling every 10 ms) until ``condition()`` holds; fail with ``failure`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, failure
         await asyncio.sleep(0.01)
 
 

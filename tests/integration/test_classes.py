@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from proxy.scheduling import GateObserver
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, running_proxy, until
 
 pytestmark = pytest.mark.integration
 
@@ -108,10 +108,7 @@ async def test_realtime_overtakes_queued_offline_and_offline_never_starves(proxy
     offline_done: list[float] = []
     async with aiohttp.ClientSession() as session:
         flood = asyncio.create_task(offline_flood(session, base, stop, offline_done, 30))
-        deadline = time.monotonic() + 30
-        while watch.offline_queued() < 10:
-            assert time.monotonic() < deadline, "offline work never queued in the proxy"
-            await asyncio.sleep(0.02)
+        await until(lambda: watch.offline_queued() >= 10, 30, "offline work never queued")
         # A saturating stream of real-time work (more clients than the fleet has slots) for
         # several seconds: aging must still let offline requests through in every window.
         started = time.monotonic()
@@ -201,9 +198,6 @@ async def test_client_that_gives_up_leaves_the_queue_at_once(triton_fleet: Any) 
                     session.post(url, json={"text_input": "x", "max_tokens": 2}), 0.3
                 )
             # Gone from the queue while the holder still streams.
-            deadline = time.monotonic() + 5
-            while gate.queued("online"):
-                assert time.monotonic() < deadline, "the abandoned request stayed queued"
-                await asyncio.sleep(0.01)
+            await until(lambda: not gate.queued("online"), 5, "the abandoned request stayed queued")
             assert watch.cancelled == ["online"]
             assert gate.in_flight("online") == 1
