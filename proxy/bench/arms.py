@@ -38,8 +38,7 @@ Every arm sends the same schedule to the same local Triton servers:
   take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
   quiet instance must also have nothing of a more important level in flight
   (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
-  ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+wake_long``: lane
-  instances are woken from Triton's batcher stall too (``routing.wake.long_work``).
+  ``quiet_depth`` of 2 (at most one short row in the long row's batch).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -337,16 +336,8 @@ def _catalog() -> dict[str, ArmPlan]:
         "its queue moves (a long online row waits for, and joins, a smaller offline batch)",
         lowest_shallow_per_instance=1,
     )
-    wake_long = replace(
-        shallow,
-        name="proxy_shallow_lane+wake_long",
-        description="proxy_shallow_lane whose lane instances are woken too (routing.wake "
-        "long_work): one with long work that has sent and answered nothing for twice the "
-        "expected time of what it holds gets the next short request",
-        routing={"wake": {"long_work": True}},
-    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_long]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1]
     return {p.name: p for p in plans}
 
 

@@ -24,14 +24,13 @@ and a frozen server (``SIGSTOP``, a hung backend) would otherwise draw a short r
 ``min_quiet_ms`` until the health checker ejects it. A periodic scan finds quiet instances
 (:func:`quiet_instances`), so the request path only looks up a usually empty set.
 
-Instances with long work in flight (a long lane) stall the same way: one Triton fed only a
-long lane's traffic at ``benchmarks/issue10/long_share.yaml``'s x0.25 rates (14 long requests
-a second, no proxy) left requests that arrived while a batch ran queued for 90-300 ms, each
-released by the next arrival (docs/benchmarks.md, issue 10, fourteenth round). The rule above
-cannot judge them by the model's usual batch time, so with ``long_work`` such an instance is
-judged by what it has in flight: quiet after ``margin`` times the expected time of one batch
-of all of it (the learned cost curve at the sum of the requests' estimated costs), never
-before ``min_quiet_ms``; a model without a learned curve is not judged.
+Instances with long work in flight (a long lane) stall the same way
+(``benchmarks/triton_lane_stall.py``: one Triton fed only a lane's traffic, no proxy), but
+are not judged. Judging them by the expected time of what they hold was built and measured
+(commit ``5c0ffc7``, docs/benchmarks.md, issue 10, fourteenth round): it halved offline's
+P99.9 at light load, but left online's long rows where they were and cost real-time a few
+milliseconds at P99 (the short request that wakes a lane instance joins its padded batch),
+so it was removed.
 """
 
 from __future__ import annotations
@@ -63,9 +62,6 @@ class WakeParams:
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
-    long_work: bool = False
-    """Judge instances with long work in flight too, by the expected time of that work
-    (module doc). The request that wakes one joins the long batch it releases."""
 
     def __post_init__(self) -> None:
         if self.margin < 1.0:
@@ -94,28 +90,19 @@ def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
 
 
 def quiet_instances(
-    instances: Iterable[Instance],
-    now: float,
-    quiet_after_s: Callable[[str], float | None],
-    quiet_after_work: Callable[[str, float], float | None] | None = None,
+    instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
-    (``quiet_after_s`` is asked once per model per scan, not once per instance). An instance
-    with long work in flight is judged only with ``quiet_after_work``, asked with the model
-    and the estimated cost in flight there (``long_work``)."""
+    (``quiet_after_s`` is asked once per model per scan, not once per instance)."""
     quiet: dict[str, set[str]] = {}
     afters: dict[str, float | None] = {}
     for inst in instances:
         if not inst.healthy or inst.woken_at > inst.last_answer_at:
             continue
         for model, n in inst.model_in_flight.items():
-            if n <= 0:
+            if n <= 0 or inst.long_in_flight.get(model):
                 continue
-            if inst.long_in_flight.get(model):
-                if quiet_after_work is None:
-                    continue
-                after = quiet_after_work(model, inst.cost_in_flight.get(model, 0.0))
-            elif model in afters:
+            if model in afters:
                 after = afters[model]
             else:
                 after = afters[model] = quiet_after_s(model)

@@ -123,32 +123,6 @@ def test_an_instance_that_has_not_answered_since_its_wake_is_not_woken_again() -
                 assert scan() == {"m": {"t0"}}  # it answered: a later stall is woken again
 
 
-def test_with_long_work_an_instance_is_judged_by_the_work_it_holds() -> None:
-    # A long lane stalls like any instance (module doc); how long its batches legitimately
-    # take is what it holds: 5 ms + 20 us per unit of estimated cost, one batch of all of it.
-    def after_work(model: str, cost: float) -> float | None:
-        return WAKE.quiet_after_s(0.005 + 20e-6 * cost) if model == "m" else None
-
-    with world(7, 2) as w:
-        t0, t1 = w.fleet.get("t0"), w.fleet.get("t1")
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(w.fleet.track(t0, "m", work=Work(long=True, cost=512.0)))
-            stack.enter_context(w.fleet.track(t0, "m", work=Work(cost=40.0)))
-            stack.enter_context(w.fleet.track(t1, "m", work=Work(long=True, cost=1024.0)))
-            assert t0.cost_in_flight == {"m": 552.0}
-            now = w.clock.now()
-            scan = lambda dt: quiet_instances(  # noqa: E731
-                w.fleet.instances.values(), now + dt, after, after_work
-            )
-            # t0: 2 x (5 + 0.02 x 552) = 32.1 ms; t1: 2 x (5 + 0.02 x 1024) = 51.0 ms
-            assert scan(0.032) == {}
-            assert scan(0.033) == {"m": {"t0"}}
-            assert scan(0.052) == {"m": {"t0", "t1"}}
-            # without long_work, long work is never judged (t0 has long work in flight)
-            assert quiet_instances(w.fleet.instances.values(), now + 10, after) == {}
-        assert t0.cost_in_flight == {} == t1.cost_in_flight  # nothing left behind
-
-
 @pytest.mark.parametrize(
     ("policy", "wakes"), [("consistent_hash", False), ("least_requests", True)]
 )
