@@ -31,6 +31,15 @@ are not judged. Judging them by the expected time of what they hold was built an
 P99.9 at light load, but left online's long rows where they were and cost real-time a few
 milliseconds at P99 (the short request that wakes a lane instance joins its padded batch),
 so it was removed.
+
+``by_work`` (opt-in, issue 10, fifteenth round) judges the other instances by what they hold
+too: quiet after ``margin`` times the expected time of one batch of all the requests of the
+model in flight there (the learned cost curve at the sum of their estimated costs), never
+before ``min_quiet_ms``, instead of a full batch of the model's typical requests. A stalled
+instance usually holds one to three short requests (a 6-8 ms batch), so the full-batch rule
+(about 18 ms in ``long_share.yaml``, 36 ms with the margin) let short requests wait 40-60 ms
+for the wake at half load (fourteenth round's tail table). A model without a learned curve
+falls back to the full-batch rule.
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ class WakeParams:
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
+    by_work: bool = False
+    """Judge an instance without long work by the expected time of what it has in flight
+    rather than by a full batch of the model's typical requests (module doc)."""
 
     def __post_init__(self) -> None:
         if self.margin < 1.0:
@@ -90,10 +102,16 @@ def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
 
 
 def quiet_instances(
-    instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
+    instances: Iterable[Instance],
+    now: float,
+    quiet_after_s: Callable[[str], float | None],
+    quiet_after_work: Callable[[str, float], float | None] | None = None,
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
-    (``quiet_after_s`` is asked once per model per scan, not once per instance)."""
+    (``quiet_after_s`` is asked once per model per scan, not once per instance). With
+    ``quiet_after_work`` (``by_work``) each instance is judged by it first, asked with the
+    model and the estimated cost in flight there; where it answers None (no learned curve),
+    by ``quiet_after_s``."""
     quiet: dict[str, set[str]] = {}
     afters: dict[str, float | None] = {}
     for inst in instances:
@@ -102,10 +120,14 @@ def quiet_instances(
         for model, n in inst.model_in_flight.items():
             if n <= 0 or inst.long_in_flight.get(model):
                 continue
-            if model in afters:
-                after = afters[model]
-            else:
-                after = afters[model] = quiet_after_s(model)
+            after = None
+            if quiet_after_work is not None:
+                after = quiet_after_work(model, inst.cost_in_flight.get(model, 0.0))
+            if after is None:
+                if model in afters:
+                    after = afters[model]
+                else:
+                    after = afters[model] = quiet_after_s(model)
             sent = inst.last_sent.get(model)
             if after is None or sent is None:
                 continue
