@@ -404,9 +404,7 @@ class Dispatcher:
             class_cap=cap,
             batch=max(1, batch),
         )
-        return Placing(
-            request, Work(class_name=klass, level=level, long=long, cost=call.cost), arm.placement
-        )
+        return Placing(request, Work(class_name=klass, level=level, long=long), arm.placement)
 
     async def _send(
         self,

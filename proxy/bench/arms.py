@@ -38,9 +38,7 @@ Every arm sends the same schedule to the same local Triton servers:
   take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
   quiet instance must also have nothing of a more important level in flight
   (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
-  ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+wake_work``: the
-  wake judges an instance by what it holds (``routing.wake.by_work``), ``+wake_work10`` with
-  a 10 ms floor.
+  ``quiet_depth`` of 2 (at most one short row in the long row's batch).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -338,22 +336,8 @@ def _catalog() -> dict[str, ArmPlan]:
         "its queue moves (a long online row waits for, and joins, a smaller offline batch)",
         lowest_shallow_per_instance=1,
     )
-    wake_work = replace(
-        shallow,
-        name="proxy_shallow_lane+wake_work",
-        description="proxy_shallow_lane whose wake judges an instance by what it holds "
-        "(routing.wake by_work): quiet after twice the expected time of one batch of its "
-        "requests in flight, at least 20 ms",
-        routing={"wake": {"by_work": True}},
-    )
-    wake_work10 = replace(
-        shallow,
-        name="proxy_shallow_lane+wake_work10",
-        description="proxy_shallow_lane+wake_work with a 10 ms floor, scanned every 5 ms",
-        routing={"wake": {"by_work": True, "min_quiet_ms": 10, "scan_ms": 5}},
-    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_work, wake_work10]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1]
     return {p.name: p for p in plans}
 
 

@@ -32,14 +32,14 @@ P99.9 at light load, but left online's long rows where they were and cost real-t
 milliseconds at P99 (the short request that wakes a lane instance joins its padded batch),
 so it was removed.
 
-``by_work`` (opt-in, issue 10, fifteenth round) judges the other instances by what they hold
-too: quiet after ``margin`` times the expected time of one batch of all the requests of the
-model in flight there (the learned cost curve at the sum of their estimated costs), never
-before ``min_quiet_ms``, instead of a full batch of the model's typical requests. A stalled
-instance usually holds one to three short requests (a 6-8 ms batch), so the full-batch rule
-(about 18 ms in ``long_share.yaml``, 36 ms with the margin) let short requests wait 40-60 ms
-for the wake at half load (fourteenth round's tail table). A model without a learned curve
-falls back to the full-batch rule.
+Judging the other instances by what they hold too (``by_work``, commit ``11ea244``: quiet
+after twice the expected time of one batch of their requests in flight, at least 20 ms,
+rather than twice a full batch of typical requests, about 36 ms in ``long_share.yaml``) was
+measured the same way (docs/benchmarks.md, issue 10, fifteenth round): the slowest real-time
+requests waited 7-10 ms less at x0.5 and x1, but the pooled P99s moved within the noise
+between repetitions (real-time 34.1 against 32.9 ms at x0.5, 40.2 against 41.6 at x1) and
+online's was unchanged (1.68x against 1.69x ``rr_priority``'s at x0.5): removed, as it
+moved no target and added work to every request's accounting.
 """
 
 from __future__ import annotations
@@ -71,9 +71,6 @@ class WakeParams:
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
-    by_work: bool = False
-    """Judge an instance without long work by the expected time of what it has in flight
-    rather than by a full batch of the model's typical requests (module doc)."""
 
     def __post_init__(self) -> None:
         if self.margin < 1.0:
@@ -102,16 +99,10 @@ def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
 
 
 def quiet_instances(
-    instances: Iterable[Instance],
-    now: float,
-    quiet_after_s: Callable[[str], float | None],
-    quiet_after_work: Callable[[str, float], float | None] | None = None,
+    instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
-    (``quiet_after_s`` is asked once per model per scan, not once per instance). With
-    ``quiet_after_work`` (``by_work``) each instance is judged by it first, asked with the
-    model and the estimated cost in flight there; where it answers None (no learned curve),
-    by ``quiet_after_s``."""
+    (``quiet_after_s`` is asked once per model per scan, not once per instance)."""
     quiet: dict[str, set[str]] = {}
     afters: dict[str, float | None] = {}
     for inst in instances:
@@ -120,14 +111,10 @@ def quiet_instances(
         for model, n in inst.model_in_flight.items():
             if n <= 0 or inst.long_in_flight.get(model):
                 continue
-            after = None
-            if quiet_after_work is not None:
-                after = quiet_after_work(model, inst.cost_in_flight.get(model, 0.0))
-            if after is None:
-                if model in afters:
-                    after = afters[model]
-                else:
-                    after = afters[model] = quiet_after_s(model)
+            if model in afters:
+                after = afters[model]
+            else:
+                after = afters[model] = quiet_after_s(model)
             sent = inst.last_sent.get(model)
             if after is None or sent is None:
                 continue
