@@ -404,7 +404,9 @@ class Dispatcher:
             class_cap=cap,
             batch=max(1, batch),
         )
-        return Placing(request, Work(class_name=klass, level=level, long=long), arm.placement)
+        return Placing(
+            request, Work(class_name=klass, level=level, long=long, cost=call.cost), arm.placement
+        )
 
     async def _send(
         self,

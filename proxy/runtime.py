@@ -262,6 +262,11 @@ class Runtime:
             )
         return self.config.routing.wake.quiet_after_s(batch_s)
 
+    def _quiet_after_work(self, model: str, cost: float) -> float | None:
+        """The same for an instance with ``cost`` of ``model`` in flight (``by_work``): a
+        margin over one batch of it on the learned cost curve (None: curve unknown)."""
+        return self.config.routing.wake.quiet_after_s(self.dispatcher.costs.seconds(model, cost))
+
     async def _find_quiet(self) -> None:
         """Every ``routing.wake.scan_ms``: which instances are quiet (proxy.routing.wake)."""
         while True:
@@ -269,7 +274,10 @@ class Runtime:
             await asyncio.sleep(wake.scan_ms / 1e3)
             if wake.enabled:
                 self.fleet.quiet = quiet_instances(
-                    self.fleet.instances.values(), self.clock.now(), self._quiet_after
+                    self.fleet.instances.values(),
+                    self.clock.now(),
+                    self._quiet_after,
+                    self._quiet_after_work if wake.by_work else None,
                 )
             elif self.fleet.quiet:
                 self.fleet.quiet = {}

@@ -38,7 +38,9 @@ Every arm sends the same schedule to the same local Triton servers:
   take a quiet instance before the lane (``quiet_depth``, :data:`QUIET_DEPTH`); ``+alone``: a
   quiet instance must also have nothing of a more important level in flight
   (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
-  ``quiet_depth`` of 2 (at most one short row in the long row's batch).
+  ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+wake_full``: the
+  wake judges every instance by a full batch (``routing.wake.by_work: false``, the rule
+  before the fifteenth round); ``+wake_work10``: its floor at 10 ms.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -336,8 +338,22 @@ def _catalog() -> dict[str, ArmPlan]:
         "its queue moves (a long online row waits for, and joins, a smaller offline batch)",
         lowest_shallow_per_instance=1,
     )
+    wake_full = replace(
+        shallow,
+        name="proxy_shallow_lane+wake_full",
+        description="proxy_shallow_lane whose wake judges every instance by a full batch of "
+        "the model's typical requests (routing.wake by_work off, the rule before the "
+        "fifteenth round)",
+        routing={"wake": {"by_work": False}},
+    )
+    wake_work10 = replace(
+        shallow,
+        name="proxy_shallow_lane+wake_work10",
+        description="proxy_shallow_lane with the wake's floor at 10 ms, scanned every 5 ms",
+        routing={"wake": {"by_work": True, "min_quiet_ms": 10, "scan_ms": 5}},
+    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_full, wake_work10]
     return {p.name: p for p in plans}
 
 

@@ -143,6 +143,8 @@ class Work:
     class_name: str = "default"
     level: int = 0
     long: bool = False
+    cost: float = 0.0
+    """The request's estimated cost (rows x longest dimension, proxy.scheduling.cost)."""
 
 
 NO_WORK = Work()
@@ -178,6 +180,8 @@ class Instance:
     model_in_flight: Counter[str] = field(default_factory=Counter)
     long_in_flight: Counter[str] = field(default_factory=Counter)
     """Requests in flight flagged long (see :class:`Work`), by model."""
+    cost_in_flight: dict[str, float] = field(default_factory=dict)
+    """Estimated cost of the requests in flight, by model (:attr:`Work.cost`)."""
     class_in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
     """Requests in flight by (model, class)."""
     level_in_flight: Counter[tuple[str, int]] = field(default_factory=Counter)
@@ -291,6 +295,8 @@ class Fleet:
         instance.in_flight += 1
         for counter, key in counters:
             counter[key] += 1
+        costs = instance.cost_in_flight
+        costs[model] = costs.get(model, 0.0) + work.cost
         if stream:
             instance.streams += 1
         instance.last_sent[model] = self.clock.now()
@@ -307,6 +313,10 @@ class Fleet:
                 counter[key] -= 1
                 if not counter[key]:
                     del counter[key]
+            if model in instance.model_in_flight:
+                costs[model] -= work.cost
+            else:  # the last one: no float residue left behind
+                del costs[model]
             if stream:
                 instance.streams -= 1
             journal.append(instance.name)

@@ -10,19 +10,27 @@ arrival frees such a request at once; load-aware placement stops sending to an i
 requests look slow and so keeps them stuck (issue 10: the proxy arms' real-time P99.9 of
 0.2-0.5 s at light load, docs/benchmarks.md, fifth round).
 
+Why, as read in Triton's source (docs/triton-notes.md, "Dynamic batcher"): the end of a batch
+notifies the batcher before the model instance thread is back waiting for the next one, so a
+batcher that looks in that window finds no free instance and sleeps; only a new request for
+the model (or the 0.5 s timeout) wakes it again.
+
 The remedy: an instance with requests of a model in flight, none of them long, that has been
 sent nothing of that model and has answered nothing for longer than ``margin`` times the
-model's learned full-batch time (never less than ``min_quiet_ms``) is *quiet*; the next short
-request of the model goes there instead of where the policy chose, if the instance has a free
-slot (unless the request has a session key and the model's policy places by session key).
-Its arrival wakes the batcher, and it joins work that should have finished long ago. A model
-whose batch time is neither learned (the cost curve) nor reported by Triton's metrics
-(:func:`scraped_batch_s`) is never judged quiet (an instance legitimately running a
-long batch must not be sent short work). An instance that has not answered anything since it
-was last woken is not woken again: a stalled batcher answers within a batch time of the wake,
-and a frozen server (``SIGSTOP``, a hung backend) would otherwise draw a short request every
-``min_quiet_ms`` until the health checker ejects it. A periodic scan finds quiet instances
-(:func:`quiet_instances`), so the request path only looks up a usually empty set.
+expected time of one batch of those requests (never less than ``min_quiet_ms``) is *quiet*;
+the next short request of the model goes there instead of where the policy chose, if the
+instance has a free slot (unless the request has a session key and the model's policy places
+by session key). Its arrival wakes the batcher, and it joins work that should have finished
+long ago. The expected time is the learned cost curve (proxy.scheduling.cost) at the summed
+estimated cost of the requests in flight there (``by_work``); a model without a learned curve
+is judged by one full batch of its typical requests, or by Triton's own compute time
+(:func:`scraped_batch_s`) before even that is known, and never judged when neither is known
+(an instance legitimately running a long batch must not be sent short work). An instance
+that has not answered anything since it was last woken is not woken again: a stalled batcher
+answers within a batch time of the wake, and a frozen server (``SIGSTOP``, a hung backend)
+would otherwise draw a short request every ``min_quiet_ms`` until the health checker ejects
+it. A periodic scan finds quiet instances (:func:`quiet_instances`), so the request path only
+looks up a usually empty set.
 
 Instances with long work in flight (a long lane) stall the same way
 (``benchmarks/triton_lane_stall.py``: one Triton fed only a lane's traffic, no proxy), but
@@ -32,14 +40,15 @@ P99.9 at light load, but left online's long rows where they were and cost real-t
 milliseconds at P99 (the short request that wakes a lane instance joins its padded batch),
 so it was removed.
 
-Judging the other instances by what they hold too (``by_work``, commit ``11ea244``: quiet
-after twice the expected time of one batch of their requests in flight, at least 20 ms,
-rather than twice a full batch of typical requests, about 36 ms in ``long_share.yaml``) was
-measured the same way (docs/benchmarks.md, issue 10, fifteenth round): the slowest real-time
-requests waited 7-10 ms less at x0.5 and x1, but the pooled P99s moved within the noise
-between repetitions (real-time 34.1 against 32.9 ms at x0.5, 40.2 against 41.6 at x1) and
-online's was unchanged (1.68x against 1.69x ``rr_priority``'s at x0.5): removed, as it
-moved no target and added work to every request's accounting.
+``by_work`` (issue 10, fifteenth round) replaced the full-batch rule, which judged every
+instance by twice a full batch of the model's typical requests (about 36 ms in
+``long_share.yaml``), while a stalled instance usually holds one to three short requests (a
+6-8 ms batch). On three servers the slowest real-time requests waited 7-10 ms less with it
+and the P99s moved within the noise; on six servers, where placement leaves a stalled
+instance without arrivals for longer because other instances are idle, the slowest real-time
+requests waited 20 ms less at x1 and x2 of ``long_share.yaml`` (33 against 55 ms, 40 against
+62), real-time's P99 at x2 fell from 63.4 to 45.7 ms and online's at x1 from 77.2 to 66.0 ms
+(docs/benchmarks.md, issue 10, fifteenth round). ``by_work: false`` restores the old rule.
 """
 
 from __future__ import annotations
@@ -71,6 +80,9 @@ class WakeParams:
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
+    by_work: bool = True
+    """Judge an instance without long work by the expected time of what it has in flight
+    rather than by a full batch of the model's typical requests (module doc)."""
 
     def __post_init__(self) -> None:
         if self.margin < 1.0:
@@ -99,10 +111,16 @@ def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
 
 
 def quiet_instances(
-    instances: Iterable[Instance], now: float, quiet_after_s: Callable[[str], float | None]
+    instances: Iterable[Instance],
+    now: float,
+    quiet_after_s: Callable[[str], float | None],
+    quiet_after_work: Callable[[str, float], float | None] | None = None,
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
-    (``quiet_after_s`` is asked once per model per scan, not once per instance)."""
+    (``quiet_after_s`` is asked once per model per scan, not once per instance). With
+    ``quiet_after_work`` (``by_work``) each instance is judged by it first, asked with the
+    model and the estimated cost in flight there; where it answers None (no learned curve),
+    by ``quiet_after_s``."""
     quiet: dict[str, set[str]] = {}
     afters: dict[str, float | None] = {}
     for inst in instances:
@@ -111,10 +129,14 @@ def quiet_instances(
         for model, n in inst.model_in_flight.items():
             if n <= 0 or inst.long_in_flight.get(model):
                 continue
-            if model in afters:
-                after = afters[model]
-            else:
-                after = afters[model] = quiet_after_s(model)
+            after = None
+            if quiet_after_work is not None:
+                after = quiet_after_work(model, inst.cost_in_flight.get(model, 0.0))
+            if after is None:
+                if model in afters:
+                    after = afters[model]
+                else:
+                    after = afters[model] = quiet_after_s(model)
             sent = inst.last_sent.get(model)
             if after is None or sent is None:
                 continue

@@ -123,6 +123,45 @@ def test_an_instance_that_has_not_answered_since_its_wake_is_not_woken_again() -
                 assert scan() == {"m": {"t0"}}  # it answered: a later stall is woken again
 
 
+def test_by_work_an_instance_is_judged_by_the_work_it_holds() -> None:
+    # A stalled instance usually holds a few short requests, whose batch takes far less than
+    # a full one (module doc): 5 ms + 20 us per unit of estimated cost, one batch of it all.
+    def after_work(model: str, cost: float) -> float | None:
+        return WAKE.quiet_after_s(0.005 + 20e-6 * cost) if model == "m" else None
+
+    def full_batch(model: str) -> float | None:  # a full batch of 40 ms: quiet after 80 ms
+        return WAKE.quiet_after_s(0.040)
+
+    with world(7, 3) as w:
+        t0, t1, t2 = (w.fleet.get(n) for n in ("t0", "t1", "t2"))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(w.fleet.track(t0, "m", work=Work(cost=40.0)))
+            stack.enter_context(w.fleet.track(t0, "m", work=Work(cost=60.0)))
+            stack.enter_context(w.fleet.track(t1, "m", work=Work(cost=1200.0)))
+            stack.enter_context(w.fleet.track(t2, "m", work=Work(long=True, cost=512.0)))
+            assert t0.cost_in_flight == {"m": 100.0}
+            now = w.clock.now()
+            scan = lambda dt: quiet_instances(  # noqa: E731
+                w.fleet.instances.values(), now + dt, full_batch, after_work
+            )
+            # t0: 2 x (5 + 0.02 x 100) = 14 ms, under the 20 ms floor; t1: 2 x 29 = 58 ms;
+            # t2 runs long work and is never judged
+            assert scan(0.019) == {}
+            assert scan(0.021) == {"m": {"t0"}}
+            assert scan(0.059) == {"m": {"t0", "t1"}}
+            assert scan(10) == {"m": {"t0", "t1"}}
+            # without by_work, both wait for the full-batch rule
+            assert quiet_instances(w.fleet.instances.values(), now + 0.079, full_batch) == {}
+            # a model without a learned curve falls back to the full-batch rule
+            unknown = lambda model, cost: None  # noqa: E731
+            judge = lambda dt: quiet_instances(  # noqa: E731
+                w.fleet.instances.values(), now + dt, full_batch, unknown
+            )
+            assert judge(0.079) == {}
+            assert judge(0.081) == {"m": {"t0", "t1"}}
+        assert t0.cost_in_flight == {} == t1.cost_in_flight  # nothing left behind
+
+
 @pytest.mark.parametrize(
     ("policy", "wakes"), [("consistent_hash", False), ("least_requests", True)]
 )
