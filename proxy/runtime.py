@@ -34,6 +34,8 @@ from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
+from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
+from proxy.routing.occupancy import Occupancy, busy_shares
 from proxy.routing.wake import quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -134,6 +136,9 @@ class Runtime:
         self.scraper.on_change = self.fleet.touch
         self._publisher: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
+        self._meter: asyncio.Task[None] | None = None
+        self._occupancy = Occupancy()
+        self.fleet.occupancy = self._occupancy.values
         # The leader worker shares its drain marks and class factors (proxy.workers).
         self._followers: FollowerReports | None = None
         if role is not None and role.leader and role.count > 1:
@@ -281,6 +286,12 @@ class Runtime:
                 )
             elif self.fleet.quiet:
                 self.fleet.quiet = {}
+
+    async def _measure_occupancy(self) -> None:
+        """Every ``SAMPLE_S``: the fleet's busy share per model (proxy.routing.occupancy)."""
+        while True:
+            await asyncio.sleep(OCCUPANCY_SAMPLE_S)
+            self._occupancy.sample(busy_shares(self.fleet.instances.values()), self.clock.now())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)
@@ -470,6 +481,7 @@ class Runtime:
         if self.role is not None and self.role.leader:
             self._publisher = asyncio.create_task(self._publish(), name="fleet-state-publisher")
         self._waker = asyncio.create_task(self._find_quiet(), name="quiet-instances")
+        self._meter = asyncio.create_task(self._measure_occupancy(), name="occupancy")
         await self.leadership.start()
         await self.control.start()
 
@@ -497,8 +509,8 @@ class Runtime:
     async def stop(self) -> None:
         await self.control.stop()
         await self.leadership.stop()
-        await cancel_and_wait(self._publisher, self._waker)
-        self._publisher = self._waker = None
+        await cancel_and_wait(self._publisher, self._waker, self._meter)
+        self._publisher = self._waker = self._meter = None
         for gates in (self.gates, self.canary_gates):
             if gates is not None:
                 gates.close()

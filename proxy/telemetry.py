@@ -291,10 +291,19 @@ class _FleetCollector(Collector):
                 model_in_flight.add_metric([inst.name, model], n)
             for model in sorted(inst.draining):
                 draining.add_metric([inst.name, model], 1.0)
+        occupancy = GaugeMetricFamily(
+            "triton_proxy_model_occupancy",
+            "Smoothed share of the model's instances with the proxy's requests of it in flight "
+            "(proxy.routing.occupancy; expected_start's pack_above reads it)",
+            labels=["model"],
+        )
+        for model, value in sorted(rt.fleet.occupancy.items()):
+            occupancy.add_metric([model], value)
         yield healthy
         yield in_flight
         yield model_in_flight
         yield draining
+        yield occupancy
         yield from _scraped(rt)
         yield _buffered(rt)
         yield from _feedback(rt)

@@ -40,7 +40,8 @@ Every arm sends the same schedule to the same local Triton servers:
   (``quiet_alone``), so those rows pad no real-time batch; ``+alone2`` the same with a
   ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+wake_full``: the
   wake judges every instance by a full batch (``routing.wake.by_work: false``, the rule
-  before the fifteenth round); ``+wake_work10``: its floor at 10 ms.
+  before the fifteenth round); ``+wake_work10``: its floor at 10 ms; ``+light``: the lane
+  packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -104,6 +105,11 @@ QUIET_DEPTH = 4
 with fewer than 4 requests in flight and no long work, where its batch pads at most 3 short
 rows (5 + 0.010 x 4 x 512 = 25 ms in ``case.yaml``), rather than wait in the lane for an
 offline batch (up to 46 ms at the shallow depth) and run in one filled with offline rows."""
+
+
+PACK_ABOVE = 0.5
+"""``pack_above`` of ``proxy_shallow_lane+light``: the lane packs long work only while at
+least half of the model's instances hold work (``proxy.routing.occupancy``)."""
 
 
 UNCAPPED_LANE_DEPTHS = (2, 4)
@@ -352,8 +358,15 @@ def _catalog() -> dict[str, ArmPlan]:
         description="proxy_shallow_lane with the wake's floor at 10 ms, scanned every 5 ms",
         routing={"wake": {"by_work": True, "min_quiet_ms": 10, "scan_ms": 5}},
     )
+    light = _vary(
+        shallow,
+        "proxy_shallow_lane+light",
+        "proxy_shallow_lane that packs long work into its lane only while the fleet's "
+        f"occupancy is at least {PACK_ABOVE} (pack_above), and spreads it below",
+        pack_above=PACK_ABOVE,
+    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_full, wake_work10]
+    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_full, wake_work10, light]
     return {p.name: p for p in plans}
 
 
@@ -712,6 +725,7 @@ def parse_vm_rss_mib(status: str) -> float | None:
 
 TRITON_PENDING = "nv_inference_pending_request_count"
 PROXY_IN_FLIGHT = "triton_proxy_instance_in_flight"
+PROXY_OCCUPANCY = "triton_proxy_model_occupancy"
 
 
 def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGaugeProbe:
@@ -730,6 +744,10 @@ def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints
             {"proxy": endpoints.metrics_url}, PROXY_IN_FLIGHT, split_label="instance"
         )
         parts.append((in_flight, " proxy in flight"))
+        occupancy = PrometheusGaugeProbe(
+            {"proxy": endpoints.metrics_url}, PROXY_OCCUPANCY, {"model": model}
+        )
+        parts.append((occupancy, " occupancy"))
     if endpoints.pid is not None:
         parts.append((RssProbe(endpoints.pid), ""))
     if len(parts) == 1:

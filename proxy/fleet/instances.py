@@ -234,6 +234,9 @@ class Fleet:
         self.quiet: dict[str, set[str]] = {}
         """model -> instances quiet for it (``proxy.routing.wake``; found by a periodic scan,
         left by the next send there)."""
+        self.occupancy: dict[str, float] = {}
+        """model -> the smoothed share of its instances with work in flight
+        (``proxy.routing.occupancy``; sampled by a periodic scan, read by placement)."""
         self.positions: dict[str, int] = {}
         """Instance name -> its place in policy order (ties between instances go by it)."""
         self._adopted()

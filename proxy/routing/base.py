@@ -98,6 +98,9 @@ class RouteRequest:
     """At most this many requests of the class per instance (``max_per_instance``)."""
     batch: int = 1
     """The model's ``max_batch_size`` (at least 1)."""
+    occupancy: float = 1.0
+    """Smoothed share of the model's instances with work in flight, 0..1
+    (``proxy.routing.occupancy``); 1.0 when not measured."""
 
 
 class Policy(Protocol):

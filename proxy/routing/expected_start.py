@@ -24,6 +24,14 @@ class ExpectedStartParams:
     fewest long requests. ``spread`` stays the default until ``pack`` wins in the benchmark: in
     one run of the offline-burst scenario at 1.5x load the lane lost to spread with a cap of 1
     (real-time P99 1.54x against 0.52x the best baseline, docs/benchmarks.md)."""
+    pack_above: float | None = None
+    """``pack`` only while the model's fleet occupancy (``RouteRequest.occupancy``, the
+    smoothed share of its instances with work in flight, ``proxy.routing.occupancy``) is at
+    least this; below it long work is placed as with ``spread``. None (the default): always
+    pack. A lane keeps long work from padding every instance's short batches, which pays
+    when the fleet is busy; on a lightly loaded fleet the long requests it holds back wait
+    for the lane where they would have started at once elsewhere (module
+    ``proxy.routing.occupancy``)."""
     lane_depth: int | None = None
     """``pack``: long requests of an uncapped class per instance before the lane opens
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
@@ -91,6 +99,8 @@ class ExpectedStartParams:
             raise ValueError(f"long_weight must be >= 0, got {self.long_weight}")
         if self.lane_depth is not None and self.lane_depth < 1:
             raise ValueError(f"lane_depth must be >= 1 or null, got {self.lane_depth}")
+        if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
+            raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
 
 
 class ExpectedStart:
@@ -105,7 +115,9 @@ class ExpectedStart:
         long, pack:     key = (full, where, -class_in_flight, -long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
 
-    (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``). ``pack`` fills
+    (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``; with
+    ``pack_above``, a long request is packed only while the request's ``occupancy`` is at
+    least that, and scored as ``spread`` below it). ``pack`` fills
     the instance that already runs long work (for a class with ``max_per_instance``: that
     class's work first) until it is ``full``, before it opens another, and opens the one with
     the fewest short requests, whose batches it would pad. ``full``: the class holds its
@@ -150,12 +162,18 @@ class ExpectedStart:
         self.params = params
         self._rng = rng
 
-    def to_idle(self, request: RouteRequest) -> bool:
-        """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""
+    def packs(self, request: RouteRequest) -> bool:
+        """Whether ``request`` is long work placed by ``pack`` (at this occupancy)."""
         p = self.params
         return (
-            request.long and p.long_placement == "pack" and p.long_to_idle and not request.class_cap
+            request.long
+            and p.long_placement == "pack"
+            and (p.pack_above is None or request.occupancy >= p.pack_above)
         )
+
+    def to_idle(self, request: RouteRequest) -> bool:
+        """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""
+        return self.packs(request) and self.params.long_to_idle and not request.class_cap
 
     def key(
         self, request: RouteRequest, to_idle: bool = True
@@ -166,7 +184,7 @@ class ExpectedStart:
         long_weight = self.params.long_weight
         busy_weight = self.params.busy_weight
 
-        if request.long and self.params.long_placement == "pack":
+        if self.packs(request):
             cap = request.class_cap
             depth = self.params.lane_depth or 2 * batch
             eligible = self.to_idle(request)
@@ -228,7 +246,12 @@ class ExpectedStart:
         instances (not full, nothing in flight) sort first in the ``long_to_idle`` index, so
         whether more than ``idle_reserve`` of them are at the lowest filter level is a look at
         one entry (O(1))."""
-        tag: tuple[object, ...] = ("expected_start", request.long, max(1, request.batch))
+        tag: tuple[object, ...] = (
+            "expected_start",
+            request.long,
+            max(1, request.batch),
+            self.packs(request),
+        )
         ordering = view.ordering(tag, self.key(request))
         reserve = self.params.idle_reserve
         if reserve and self.to_idle(request):
@@ -237,7 +260,7 @@ class ExpectedStart:
             spare = items[reserve] if len(items) > reserve else None
             # entry = (filter level, full, busy, ..., position, member)
             if first is None or spare is None or spare[:3] != (first[0], 0.0, 0.0):
-                tag = ("expected_start", request.long, max(1, request.batch), "no_idle")
+                tag = (*tag, "no_idle")
                 ordering = view.ordering(tag, self.key(request, to_idle=False))
         return ordering.pick_min(self._rng)
 
