@@ -41,7 +41,8 @@ Every arm sends the same schedule to the same local Triton servers:
   ``quiet_depth`` of 2 (at most one short row in the long row's batch); ``+wake_full``: the
   wake judges every instance by a full batch (``routing.wake.by_work: false``, the rule
   before the fifteenth round); ``+wake_work10``: its floor at 10 ms; ``+light``: the lane
-  packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``).
+  packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``);
+  ``+light_alone``: below it, long work also avoids more important work (``spread_alone``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -365,8 +366,25 @@ def _catalog() -> dict[str, ArmPlan]:
         f"occupancy is at least {PACK_ABOVE} (pack_above), and spreads it below",
         pack_above=PACK_ABOVE,
     )
+    light_alone = _vary(
+        light,
+        "proxy_shallow_lane+light_alone",
+        "proxy_shallow_lane+light whose spread long work avoids instances with more "
+        "important work in flight (spread_alone)",
+        spread_alone=True,
+    )
     at = plans.index(shallow) + 1
-    plans[at:at] = [quiet, alone, alone2, *depths, shallow1, wake_full, wake_work10, light]
+    plans[at:at] = [
+        quiet,
+        alone,
+        alone2,
+        *depths,
+        shallow1,
+        wake_full,
+        wake_work10,
+        light,
+        light_alone,
+    ]
     return {p.name: p for p in plans}
 
 

@@ -32,6 +32,10 @@ class ExpectedStartParams:
     when the fleet is busy; on a lightly loaded fleet the long requests it holds back wait
     for the lane where they would have started at once elsewhere (module
     ``proxy.routing.occupancy``)."""
+    spread_alone: bool = False
+    """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
+    work of a more important priority level in flight (``Candidate.above``) as holding one
+    more long request: its row would pad that work's batch, or wait for it."""
     lane_depth: int | None = None
     """``pack``: long requests of an uncapped class per instance before the lane opens
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
@@ -111,7 +115,8 @@ class ExpectedStart:
 
         short request:  score = ((ahead + 1) / B + busy_weight * [model_in_flight > 0]
                                  + long_weight * min(long_in_flight, 2)) / weight
-        long, spread:   score = (long_weight * long_in_flight + (model_in_flight + 1) / B) / weight
+        long, spread:   score = (long_weight * (long_in_flight + [spread_alone and above > 0])
+                                 + (model_in_flight + 1) / B) / weight
         long, pack:     key = (full, where, -class_in_flight, -long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
 
@@ -212,9 +217,11 @@ class ExpectedStart:
                 )
 
         elif request.long:
+            alone = self.params.spread_alone
 
             def key(c: Candidate) -> tuple[float, ...]:
-                score = long_weight * c.long_in_flight + (c.model_in_flight + 1) / batch
+                long = c.long_in_flight + (1 if alone and c.above else 0)
+                score = long_weight * long + (c.model_in_flight + 1) / batch
                 return (score / weight_of(c),)
 
         else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from proxy.scheduling import GateObserver
-from tests.integration.harness import ProxyThread, running_proxy
+from tests.integration.harness import ProxyThread, running_proxy, until
 
 pytestmark = pytest.mark.integration
 
@@ -198,3 +198,58 @@ async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None
         assert shallow_peak <= 1, watch.peak
         assert max(watch.peak.values()) == 4, watch.peak
         assert watch.widest == 2, watch.widest
+
+
+LIGHT_POLICY: dict[str, Any] = {
+    **LANE_POLICY,
+    "routing": {
+        "policy": {
+            "name": "expected_start",
+            "params": {"long_placement": "pack", "pack_above": 0.5},
+        }
+    },
+}
+
+
+async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
+    triton_fleet: Any,
+) -> None:
+    # pack_above 0.5 on a fleet with nothing in flight (occupancy 0): two long offline
+    # requests go to two servers (spread), where the always-packing lane of the test above
+    # puts both on one. While offline work keeps a server busy, the model's occupancy rises
+    # and /metrics exports it.
+    watch = LaneWatch()
+    with running_proxy(triton_fleet.servers, LIGHT_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        assert p.runtime.fleet.occupancy.get("accel_sim", 0.0) < 0.5
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            send = functools.partial(post, session)
+
+            assert await send(RT_KEY, 16) == 200
+            pending = [asyncio.ensure_future(send(OFF_KEY, 20_000)) for _ in range(2)]
+            await asyncio.sleep(0.015)
+            assert await send(RT_KEY, 16) == 200  # its dispatch sees both placed
+            assert set(await asyncio.gather(*pending)) == {200}
+            assert max(watch.peak.values()) == 1, watch.peak
+            assert watch.widest == 2, watch.widest
+
+            stop = asyncio.Event()
+
+            async def keep_busy() -> None:
+                while not stop.is_set():
+                    assert await send(OFF_KEY, 4_000) == 200
+
+            busy = asyncio.ensure_future(keep_busy())
+            try:
+                await until(
+                    lambda: p.runtime.fleet.occupancy.get("accel_sim", 0.0) > 0.05,
+                    failure=f"occupancy stayed at {p.runtime.fleet.occupancy}",
+                )
+            finally:
+                stop.set()
+                await busy
+            assert p.ports and p.ports.metrics
+            async with session.get(f"http://127.0.0.1:{p.ports.metrics}/metrics") as resp:
+                text = await resp.text()
+        line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_occupancy{"))
+        assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0, line

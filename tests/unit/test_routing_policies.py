@@ -228,6 +228,7 @@ def _es(
     idle_reserve: int = 0,
     quiet_depth: int = 0,
     quiet_alone: bool = False,
+    pack_above: float | None = None,
 ) -> str:
     params = {
         "long_weight": 3.0,
@@ -236,6 +237,7 @@ def _es(
         "idle_reserve": idle_reserve,
         "quiet_depth": quiet_depth,
         "quiet_alone": quiet_alone,
+        "pack_above": pack_above,
     }
     policy = build_policy("expected_start", params, random.Random(seed))
     return policy.choose(list(cands), request).name
@@ -295,6 +297,27 @@ def test_expected_start_packs_long_requests_into_a_lane() -> None:
     full = dataclasses.replace(cand("a", in_flight=32), long_in_flight=32)
     assert _es(long, short, full, idle) == "c"
     assert _es(long, full, short) == "b"  # rather than go deeper into the full one
+
+
+def test_expected_start_packs_only_while_the_fleet_is_busy_with_pack_above() -> None:
+    lane = dataclasses.replace(cand("a", in_flight=3), long_in_flight=3)
+    short = cand("b", in_flight=1)
+    busy = RouteRequest(model=MODEL, long=True, batch=16, occupancy=0.5)
+    light = dataclasses.replace(busy, occupancy=0.49)
+    assert _es(busy, short, lane, pack_above=0.5) == "a"  # joins the lane
+    assert _es(light, short, lane, pack_above=0.5) == "b"  # as spread: the fewest long
+    assert _es(light, short, lane, pack_above=0.5, to_idle=True, idle_reserve=0) == "b"
+    assert _es(light, short, lane) == "a"  # no pack_above: always packs
+
+
+def test_spread_alone_keeps_long_work_off_instances_running_more_important_work() -> None:
+    long = RouteRequest(model=MODEL, long=True, level=2, batch=16)
+    realtime = dataclasses.replace(cand("a", in_flight=1), ahead=1, above=1)
+    online = dataclasses.replace(cand("b", in_flight=2), ahead=2, above=0)
+    params = {"long_placement": "spread", "spread_alone": True}
+    policy = build_policy("expected_start", params, random.Random(0))
+    assert policy.choose([realtime, online], long).name == "b"  # 3 + 2/16 > 3/16
+    assert _es(long, realtime, online, placement="spread") == "a"  # 2/16 < 3/16
 
 
 def test_expected_start_sends_uncapped_long_work_to_an_idle_instance_first() -> None:
@@ -405,6 +428,7 @@ def test_expected_start_packs_a_capped_class_by_its_own_work() -> None:
         ({"busy_weight": -1}, "busy_weight must be"),
         ({"idle_reserve": -1}, "idle_reserve must be"),
         ({"quiet_depth": -1}, "quiet_depth must be"),
+        ({"pack_above": 1.5}, "pack_above must be"),
     ],
 )
 def test_expected_start_params_are_checked(params: dict[str, Any], match: str) -> None:

@@ -142,6 +142,7 @@ class World:
             long=rng.random() < 0.3,
             class_cap=cap,
             batch=rng.choice((1, 4)),
+            occupancy=rng.random(),
         )
         names = self.names()
         exclude = (
@@ -288,15 +289,17 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
 @pytest.mark.parametrize(
-    ("to_idle", "idle_reserve", "quiet_depth", "quiet_alone"),
+    ("to_idle", "idle_reserve", "quiet_depth", "quiet_alone", "pack_above"),
     [
-        (False, 0, 0, False),
-        (True, 0, 0, False),
-        (True, 1, 0, False),
-        (True, 3, 0, False),
-        (True, 1, 3, False),
-        (True, 1, 3, True),
-        (False, 0, 3, False),
+        (False, 0, 0, False, None),
+        (True, 0, 0, False, None),
+        (True, 1, 0, False, None),
+        (True, 3, 0, False, None),
+        (True, 1, 3, False, None),
+        (True, 1, 3, True, None),
+        (False, 0, 3, False, None),
+        (True, 1, 0, False, 0.5),  # requests' occupancy is random: both placements
+        (True, 1, 0, True, 0.5),  # quiet_alone stands for spread_alone here too
     ],
 )
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
@@ -306,6 +309,7 @@ def test_expected_start_packing_a_lane_decides_as_the_linear_path(
     idle_reserve: int,
     quiet_depth: int,
     quiet_alone: bool,
+    pack_above: float | None,
 ) -> None:
     params: dict[str, Any] = {
         "long_placement": "pack",
@@ -314,6 +318,8 @@ def test_expected_start_packing_a_lane_decides_as_the_linear_path(
         "idle_reserve": idle_reserve,
         "quiet_depth": quiet_depth,
         "quiet_alone": quiet_alone,
+        "pack_above": pack_above,
+        "spread_alone": quiet_alone,
     }
     compare("expected_start", seed, n=12, steps=400, filters=True, feedback=False, params=params)
 

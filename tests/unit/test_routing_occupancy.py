@@ -1,0 +1,47 @@
+"""The fleet's occupancy per model (proxy.routing.occupancy): pure logic, no servers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proxy.fleet.instances import Instance, InstanceSpec, ModelOut
+from proxy.routing.occupancy import Occupancy, busy_shares
+
+
+def _inst(name: str, **in_flight: int) -> Instance:
+    inst = Instance(InstanceSpec(name=name, http=f"http://{name}:8000"))
+    inst.model_in_flight.update(in_flight)
+    return inst
+
+
+def test_busy_share_counts_the_instances_serving_the_model_that_hold_some_of_it() -> None:
+    a, b, c, d = _inst("a", m=3, n=1), _inst("b", m=1), _inst("c"), _inst("d", m=2)
+    d.healthy = False  # out of rotation: neither busy nor serving
+    assert busy_shares([a, b, c, d]) == {"m": 2 / 3, "n": 1 / 3}
+    c.models_out["m"] = ModelOut("not ready", 0.0, 1.0)  # c does not serve m now
+    assert busy_shares([a, b, c, d])["m"] == 1.0
+    assert busy_shares([_inst("x"), _inst("y")]) == {}
+
+
+def test_occupancy_follows_a_step_with_its_time_constant_and_forgets_idle_models() -> None:
+    occ = Occupancy(tau_s=2.0)
+    occ.sample({}, 0.0)
+    assert occ.get("m") == 0.0
+    for i in range(1, 21):  # every instance busy from t = 0, sampled each 0.1 s for 2 s
+        occ.sample({"m": 1.0}, i * 0.1)
+    assert occ.get("m") == pytest.approx(1 - math.exp(-1))
+    for i in range(21, 400):  # idle again: decays, then leaves the table
+        occ.sample({}, i * 0.1)
+    assert occ.values == {}
+
+
+def test_occupancy_starts_a_new_model_from_zero_and_checks_its_time_constant() -> None:
+    occ = Occupancy(tau_s=1.0)
+    occ.sample({"m": 1.0}, 5.0)  # the first sample has no interval: nothing is known yet
+    assert occ.get("m") == 0.0
+    occ.sample({"m": 1.0}, 6.0)
+    assert occ.get("m") == pytest.approx(1 - math.exp(-1))
+    with pytest.raises(ValueError, match="tau_s"):
+        Occupancy(tau_s=0.0)
