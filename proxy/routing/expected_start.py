@@ -31,11 +31,19 @@ class ExpectedStartParams:
     pack. A lane keeps long work from padding every instance's short batches, which pays
     when the fleet is busy; on a lightly loaded fleet the long requests it holds back wait
     for the lane where they would have started at once elsewhere (module
-    ``proxy.routing.occupancy``)."""
+    ``proxy.routing.occupancy``). Measured (``long_share.yaml``, ``pack_above: 0.5``, 3
+    repetitions, docs/benchmarks.md, sixteenth round): on three servers online's P99 at x0.25
+    1.15x the best baseline's against the lane's 1.56x, real-time not better (1.27x against
+    1.16x), and at x0.5, where the occupancy straddles 0.5, real-time 0.85x against 0.61x;
+    on six servers below capacity better than the lane on every class, still 1.5-2.9x round
+    robin's. Opt-in."""
     spread_alone: bool = False
     """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
     work of a more important priority level in flight (``Candidate.above``) as holding one
-    more long request: its row would pad that work's batch, or wait for it."""
+    more long request: its row would pad that work's batch, or wait for it. Measured with
+    ``pack_above: 0.5`` (sixteenth round, one run): at x0.5 on three servers real-time 0.99x
+    and online 1.17x the best baseline against 1.10x / 1.48x without it; level at x0.25 and
+    on six servers. Opt-in."""
     lane_depth: int | None = None
     """``pack``: long requests of an uncapped class per instance before the lane opens
     another instance; default ``2 x max_batch_size`` (one batch running, one forming). A
