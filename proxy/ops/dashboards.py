@@ -461,7 +461,16 @@ def instances() -> Dashboard:
                                 sel("triton_proxy_instance_in_flight", "instance"), "{{instance}}"
                             ),
                         ),
-                        width=12,
+                        width=8,
+                    ),
+                    Panel(
+                        "Occupancy: share of each model's instances holding its work",
+                        (Target(sel("triton_proxy_model_occupancy", "model"), "{{model}}"),),
+                        unit="percentunit",
+                        width=8,
+                        max=1.0,
+                        description="Smoothed over 2 s (proxy/routing/occupancy.py); "
+                        "expected_start's pack_above packs long work only above it.",
                     ),
                     Panel(
                         "Feedback weight (1 = no penalty)",
@@ -471,7 +480,7 @@ def instances() -> Dashboard:
                                 "{{instance}} {{model}}",
                             ),
                         ),
-                        width=12,
+                        width=8,
                         max=1.0,
                         description="Lowered while an instance's queue-wait P95 stays above "
                         "routing.feedback.queue_p95_threshold_us and peer_ratio x its peers'.",

@@ -56,7 +56,7 @@ def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
 class Occupancy:
     """The smoothed busy share per model (module doc). ``sample`` folds in one scan's
     shares; a model missing from a scan counts as 0 there (nothing in flight), and one that
-    has decayed below ``1e-3`` is forgotten, so the table holds only models in use (and
+    has decayed below ``1e-4`` is forgotten, so the table holds only models in use (and
     stays bounded by them, whatever clients send: a model reaches it only once requests of
     it are in flight on an instance)."""
 
@@ -79,7 +79,7 @@ class Occupancy:
             share = shares.get(model, 0.0)
             v = values.get(model, 0.0)
             v += a * (share - v)
-            if v < 1e-3 and not share:
+            if v < 1e-4 and not share:
                 values.pop(model, None)
             else:
                 values[model] = v
