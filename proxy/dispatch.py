@@ -403,7 +403,7 @@ class Dispatcher:
             long=long,
             class_cap=cap,
             batch=max(1, batch),
-            occupancy=self.fleet.occupancy.get(call.model, 0.0),
+            occupancy=self.fleet.occupancy.get(call.model),
         )
         return Placing(
             request, Work(class_name=klass, level=level, long=long, cost=call.cost), arm.placement

@@ -35,7 +35,7 @@ from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
-from proxy.routing.occupancy import Occupancy, busy_shares
+from proxy.routing.occupancy import busy_shares
 from proxy.routing.wake import quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -137,8 +137,6 @@ class Runtime:
         self._publisher: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
         self._meter: asyncio.Task[None] | None = None
-        self._occupancy = Occupancy()
-        self.fleet.occupancy = self._occupancy.values
         # The leader worker shares its drain marks and class factors (proxy.workers).
         self._followers: FollowerReports | None = None
         if role is not None and role.leader and role.count > 1:
@@ -291,7 +289,8 @@ class Runtime:
         """Every ``SAMPLE_S``: the fleet's busy share per model (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
-            self._occupancy.sample(busy_shares(self.fleet.instances.values()), self.clock.now())
+            fleet = self.fleet
+            fleet.occupancy.sample(busy_shares(fleet.instances.values()), self.clock.now())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)

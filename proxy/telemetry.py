@@ -297,7 +297,7 @@ class _FleetCollector(Collector):
             "(proxy.routing.occupancy; expected_start's pack_above reads it)",
             labels=["model"],
         )
-        for model, value in sorted(rt.fleet.occupancy.items()):
+        for model, value in sorted(rt.fleet.occupancy.values.items()):
             occupancy.add_metric([model], value)
         yield healthy
         yield in_flight

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.clock import Clock
+from proxy.routing.occupancy import Occupancy
 
 
 class ChangeJournal:
@@ -234,9 +235,10 @@ class Fleet:
         self.quiet: dict[str, set[str]] = {}
         """model -> instances quiet for it (``proxy.routing.wake``; found by a periodic scan,
         left by the next send there)."""
-        self.occupancy: dict[str, float] = {}
-        """model -> the smoothed share of its instances with work in flight
-        (``proxy.routing.occupancy``; sampled by a periodic scan, read by placement)."""
+        self.occupancy = Occupancy()
+        """The smoothed share of each model's instances with work in flight
+        (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by
+        placement and the metrics)."""
         self.positions: dict[str, int] = {}
         """Instance name -> its place in policy order (ties between instances go by it)."""
         self._adopted()

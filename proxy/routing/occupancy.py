@@ -47,10 +47,8 @@ def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
         for model, n in inst.model_in_flight.items():
             if n > 0 and inst.serves(model):
                 busy[model] = busy.get(model, 0) + 1
-    return {
-        model: n / max(n, sum(1 for inst in pool if inst.serves(model)))
-        for model, n in busy.items()
-    }
+    # A busy instance serves the model, so the count of those serving it is at least 1.
+    return {model: n / sum(1 for i in pool if i.serves(model)) for model, n in busy.items()}
 
 
 class Occupancy:
