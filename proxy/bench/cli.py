@@ -65,8 +65,10 @@ from proxy.bench.cpu import CpuMeter
 from proxy.bench.fleet import bench_repository
 from proxy.bench.overhead import OverheadReport, measure_overhead
 from proxy.bench.report import render_table, write_all
+from proxy.bench.request_log import RequestLog, analyse, file_name
 from proxy.bench.results import Report
-from proxy.bench.scenario import ModelSpec, Scenario, load_scenario
+from proxy.bench.runner import RunRecords
+from proxy.bench.scenario import Arrival, ModelSpec, Scenario, load_scenario
 from proxy.bench.sweep import best_baseline, plot_sweep, render_sweep, sweep_summary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,6 +182,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="also write small copies to commit (tables, JSON without histograms, PNGs)",
+    )
+    b.add_argument(
+        "--request-log",
+        action="store_true",
+        help="also keep every request of every run (LOAD/requests/<arm>#<rep>.npz) and write "
+        "where they waited (LOAD/stalls.txt; python -m proxy.bench.request_log)",
     )
     b.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     b.add_argument("--no-plots", action="store_true", help="table and JSON only")
@@ -494,10 +502,17 @@ async def _bench(
             ]
         reports: list[tuple[float, Report]] = []
         note = device_note(scenario)
+        logs: list[RequestLog] = []
+
+        def keep_log(arm: str, rep: int, schedule: Sequence[Arrival], rec: RunRecords) -> None:
+            logs.append(RequestLog.of(arm, rep, schedule, rec))
+
         for scale in args.scale:
             meter.runs.clear()
             sc = scenario.scaled(scale) if scale != 1.0 else scenario
             print(f"\nbench: load factor {scale:g}", flush=True)
+            folder = scale_dir(out, scale, args.scale)
+            logs.clear()
             report = await run_comparison(
                 sc,
                 [meter.wrap(with_connection_limit(a, args.connections)) for a in arms],
@@ -505,12 +520,17 @@ async def _bench(
                 probe=lambda: triton_pending_probe(servers, scenario.model.name),
                 show_progress=show,
                 note=note,
+                on_run=keep_log if args.request_log else None,
             )
             # ratios in the table: against this load's best baseline when there is one
             report.baseline = best_baseline(report, baseline_arms(plans)) or report.baseline
             reports.append((scale, report))
-            folder = scale_dir(out, scale, args.scale)
             write_all(report, folder, plots=not args.no_plots)
+            if logs:
+                (folder / "requests").mkdir(parents=True, exist_ok=True)
+                for log in logs:
+                    log.save(folder / "requests" / file_name(log.arm, log.repetition))
+                (folder / "stalls.txt").write_text(analyse(logs))
             (folder / "cpu.txt").write_text(meter.render() + "\n")
             (folder / "cpu.json").write_text(json.dumps(meter.to_dict(), indent=1) + "\n")
             print(render_table(report) + "\n\n" + meter.render(), flush=True)

@@ -26,11 +26,12 @@ from proxy.bench.runner import (
     LoadProbe,
     Progress,
     ProgressLine,
+    RunRecords,
     Sleep,
     TargetSpec,
     run_schedule,
 )
-from proxy.bench.scenario import Scenario, build_schedule
+from proxy.bench.scenario import Arrival, Scenario, build_schedule
 from proxy.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -159,11 +160,14 @@ async def run_comparison(
     sleep: Sleep = asyncio.sleep,
     note: str = ACCEL_SIM_NOTE,
     rng_for_seed: Callable[[int], np.random.Generator] = np.random.default_rng,
+    on_run: Callable[[str, int, Sequence[Arrival], RunRecords], None] | None = None,
 ) -> Report:
     """Run every arm on the same schedule, ``repetitions`` times (default: the scenario's).
 
     ``baseline`` names the arm ratios are taken against (default: the first arm). An arm that
     fails to start is recorded as failed, with the reason, and the others still run.
+    ``on_run(arm, repetition, schedule, records)`` sees each run's raw records (the request
+    log).
     """
     if not arms:
         raise ValueError("run_comparison needs at least one arm")
@@ -209,6 +213,8 @@ async def run_comparison(
                     progress=bar,
                     probe=load_probe,
                 )
+            if on_run is not None:
+                on_run(arm.name, r, schedule, rec)
             rep.arms[arm.name] = summarize_run(arm.name, scenario, schedule, rec)
     return report
 

@@ -59,6 +59,8 @@ class SendResult:
     error: str | None = None
     batch: tuple[int, int, int] | None = None
     """The batch the request ran in, when the model reports it (:func:`batch_seen`)."""
+    origin: tuple[int, int] | None = None
+    """When and where that batch ran, when the model reports it (:func:`batch_origin`)."""
 
 
 class Target(Protocol):
@@ -143,35 +145,54 @@ BATCH_OUTPUTS = ("BATCH_SIZE", "PADDED_LENGTH", "BATCH_COST_US")
 """Outputs of ``accel_sim`` that say which batch a request ran in: its rows, the length every
 row was padded to, and the emulated device time it took (microseconds)."""
 
+BATCH_ORIGIN = ("BATCH_START_US", "BATCH_SERVER")
+"""Outputs of ``accel_sim`` that say when that batch began (microseconds of the host's
+monotonic clock, the load generator's own clock) and which server ran it (its process id)."""
 
-def batch_seen(headers: Sequence[tuple[str, str]], body: bytes) -> tuple[int, int, int] | None:
-    """``(rows, padded length, cost in us)`` of the batch a successful answer ran in, read from
-    :data:`BATCH_OUTPUTS` (binary or JSON outputs; the first row's value), or None when the
-    model does not report them. Only the small JSON header is parsed; the tensors are not
+
+def int_outputs(
+    headers: Sequence[tuple[str, str]], body: bytes, names: Sequence[str]
+) -> dict[str, int]:
+    """The first value of each INT64 output among ``names`` that a successful answer carries
+    (binary or JSON outputs). Only the small JSON header is parsed; the tensors are not
     copied."""
     length = next((v for k, v in headers if k.lower() == "inference-header-content-length"), None)
     try:
         header_len = int(length) if length is not None else len(body)
         doc = json.loads(body[:header_len])
     except ValueError:
-        return None
+        return {}
     if not isinstance(doc, dict):
-        return None
+        return {}
     found: dict[str, int] = {}
     offset = header_len
     for out in doc.get("outputs") or ():
         size = (out.get("parameters") or {}).get("binary_data_size")
         name = out.get("name")
         if size is not None:
-            if name in BATCH_OUTPUTS and out.get("datatype") == "INT64" and size >= 8:
+            if name in names and out.get("datatype") == "INT64" and size >= 8:
                 found[name] = int.from_bytes(body[offset : offset + 8], "little", signed=True)
             offset += int(size)
-        elif name in BATCH_OUTPUTS and out.get("data"):
+        elif name in names and out.get("data"):
             found[name] = int(out["data"][0])
-    if len(found) < len(BATCH_OUTPUTS):
+    return found
+
+
+def batch_seen(found: Mapping[str, int]) -> tuple[int, int, int] | None:
+    """``(rows, padded length, cost in us)`` of the batch an answer ran in, from its
+    :func:`int_outputs`, or None when the model does not report all of :data:`BATCH_OUTPUTS`."""
+    if any(k not in found for k in BATCH_OUTPUTS):
         return None
     rows, padded, cost = (found[k] for k in BATCH_OUTPUTS)
     return rows, padded, cost
+
+
+def batch_origin(found: Mapping[str, int]) -> tuple[int, int] | None:
+    """``(start in us, server pid)`` of that batch (:data:`BATCH_ORIGIN`), or None."""
+    if any(k not in found for k in BATCH_ORIGIN):
+        return None
+    start, server = (found[k] for k in BATCH_ORIGIN)
+    return start, server
 
 
 # -- HTTP targets --------------------------------------------------------------------------
@@ -257,7 +278,10 @@ class HttpTarget:
         if instance is None and self._header:
             instance = next((v for n, v in resp.headers if n.lower() == self._header), None)
         if resp.status == 200:
-            return SendResult(Outcome.OK, 200, instance, batch=batch_seen(resp.headers, resp.body))
+            found = int_outputs(resp.headers, resp.body, BATCH_OUTPUTS + BATCH_ORIGIN)
+            return SendResult(
+                Outcome.OK, 200, instance, batch=batch_seen(found), origin=batch_origin(found)
+            )
         if resp.status == 429:  # the whole message: its reason is near the end
             return SendResult(Outcome.SHED, 429, instance, _error_text(resp.body, 400))
         return SendResult(Outcome.ERROR, resp.status, instance, _error_text(resp.body))
@@ -448,6 +472,10 @@ class RunRecords:
     batch: NDArray[np.int32]
     """Per request ``(rows, padded length, cost in us)`` of the batch it ran in
     (:func:`batch_seen`); -1 where unknown."""
+    batch_start: NDArray[np.float64]
+    """When that batch began, clock seconds (:func:`batch_origin`; NaN where unknown)."""
+    batch_server: NDArray[np.int64]
+    """The process id of the server that ran it; -1 where unknown."""
     instances: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     sheds: Counter[str] = field(default_factory=Counter)
@@ -468,6 +496,8 @@ class RunRecords:
             status=np.zeros(n, dtype=np.int16),
             instance=np.full(n, -1, dtype=np.int16),
             batch=np.full((n, 3), -1, dtype=np.int32),
+            batch_start=nan.copy(),
+            batch_server=np.full(n, -1, dtype=np.int64),
         )
 
     @property
@@ -520,6 +550,9 @@ async def run_schedule(
                 rec.instance[i] = rec.instance_index(result.instance)
             if result.batch is not None:
                 rec.batch[i] = result.batch
+            if result.origin is not None:
+                rec.batch_start[i] = result.origin[0] / 1e6
+                rec.batch_server[i] = result.origin[1]
             counts.done += 1
             if result.outcome == Outcome.OK:
                 counts.ok += 1

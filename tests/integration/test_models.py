@@ -174,7 +174,9 @@ def test_text_encoder_priorities_configured(http: httpclient.InferenceServerClie
 # -- accel_sim ------------------------------------------------------------------------------
 
 
-def test_accel_sim_cost_follows_its_config(grpc: grpcclient.InferenceServerClient) -> None:
+def test_accel_sim_cost_follows_its_config(
+    grpc: grpcclient.InferenceServerClient, triton_server: TritonServer
+) -> None:
     config = grpc.get_model_config("accel_sim", as_json=True)["config"]
     params = _params(config)
     base_ms, per_token_us = float(params["base_ms"]), float(params["per_token_us"])
@@ -183,7 +185,9 @@ def test_accel_sim_cost_follows_its_config(grpc: grpcclient.InferenceServerClien
     assert int(config["dynamic_batching"]["priority_levels"]) == 3
 
     ids = _ids(2, 100, seed=5)
+    sent = time.monotonic()
     result = grpc.infer("accel_sim", [_input(grpcclient, "INPUT_IDS", ids, "INT64")])
+    answered = time.monotonic()
     out = result.as_numpy("OUTPUT")
     assert out.shape == (2, 8) and out.dtype == np.float32
     assert not np.allclose(out[0], out[1])
@@ -192,6 +196,10 @@ def test_accel_sim_cost_follows_its_config(grpc: grpcclient.InferenceServerClien
     assert batch >= 2 and padded >= 100
     expected_us = base_ms * 1e3 + per_token_us * batch * padded
     assert int(result.as_numpy("BATCH_COST_US")[0, 0]) == round(expected_us)
+    # When and where the batch ran: on this host's monotonic clock, in this server.
+    started_us = int(result.as_numpy("BATCH_START_US")[0, 0])
+    assert sent * 1e6 <= started_us <= answered * 1e6 - expected_us
+    assert int(result.as_numpy("BATCH_SERVER")[0, 0]) == triton_server.pid
 
 
 # -- text_generator -------------------------------------------------------------------------

@@ -37,7 +37,17 @@ from proxy.bench.results import (
     window_counts,
     window_owed,
 )
-from proxy.bench.runner import Outcome, RequestEncoder, RunRecords, batch_seen, shed_reason
+from proxy.bench.runner import (
+    BATCH_ORIGIN,
+    BATCH_OUTPUTS,
+    Outcome,
+    RequestEncoder,
+    RunRecords,
+    batch_origin,
+    batch_seen,
+    int_outputs,
+    shed_reason,
+)
 from proxy.bench.scenario import (
     Arrival,
     Burst,
@@ -355,6 +365,11 @@ def _answer(outputs: list[tuple[str, str, bytes]]) -> tuple[list[tuple[str, str]
     return headers, header + b"".join(b for _, _, b in outputs)
 
 
+def _seen(headers, body):
+    found = int_outputs(headers, body, BATCH_OUTPUTS + BATCH_ORIGIN)
+    return batch_seen(found), batch_origin(found)
+
+
 def test_batch_seen_reads_the_batch_a_request_ran_in():
     i64 = lambda *v: np.array(v, dtype=np.int64).tobytes()  # noqa: E731
     outputs = [
@@ -362,23 +377,25 @@ def test_batch_seen_reads_the_batch_a_request_ran_in():
         ("BATCH_SIZE", "INT64", i64(5, 5)),
         ("PADDED_LENGTH", "INT64", i64(512, 512)),
         ("BATCH_COST_US", "INT64", i64(56_200, 56_200)),
+        ("BATCH_START_US", "INT64", i64(123_456_789_012, 123_456_789_012)),
+        ("BATCH_SERVER", "INT64", i64(4242, 4242)),
     ]
-    assert batch_seen(*_answer(outputs)) == (5, 512, 56_200)
-    assert batch_seen(*_answer(outputs[:3])) is None  # a model that does not say all three
-    assert batch_seen(*_answer([])) is None
-    assert batch_seen([("Inference-Header-Content-Length", "9")], b"not json at all") is None
+    assert _seen(*_answer(outputs)) == ((5, 512, 56_200), (123_456_789_012, 4242))
+    # a model that reports the batch but not its origin, or not all of the batch
+    assert _seen(*_answer(outputs[:4])) == ((5, 512, 56_200), None)
+    assert _seen(*_answer(outputs[:3])) == (None, None)
+    assert _seen(*_answer([])) == (None, None)
+    assert _seen([("Inference-Header-Content-Length", "9")], b"not json at all") == (None, None)
     doc = {
         "outputs": [
             {"name": "BATCH_SIZE", "datatype": "INT64", "shape": [1, 1], "data": [3]},
             {"name": "PADDED_LENGTH", "datatype": "INT64", "shape": [1, 1], "data": [64]},
             {"name": "BATCH_COST_US", "datatype": "INT64", "shape": [1, 1], "data": [9000]},
+            {"name": "BATCH_SERVER", "datatype": "INT64", "shape": [1, 1], "data": [77]},
         ]
     }
-    assert batch_seen([("Content-Type", "application/json")], json.dumps(doc).encode()) == (
-        3,
-        64,
-        9000,
-    )
+    body = json.dumps(doc).encode()
+    assert _seen([("Content-Type", "application/json")], body) == ((3, 64, 9000), None)
 
 
 def test_rss_parsing(tmp_path):

@@ -4,7 +4,9 @@ the fixed cost plus the per-token cost of the batch padded to its longest sequen
 
 The result is real but cheap: OUTPUT [batch, 8] = mean over the tokens of a fixed-seed embedding.
 BATCH_SIZE, PADDED_LENGTH and BATCH_COST_US [batch, 1] report the batch each request ran in and
-its emulated cost in microseconds.
+its emulated cost in microseconds; BATCH_START_US (when the stub was handed the batch, on the
+host's monotonic clock) and BATCH_SERVER (the tritonserver's process id) say when and where it
+ran, so a client on the same host can tell how long each request waited in Triton.
 """
 
 import os
@@ -64,6 +66,7 @@ class TritonPythonModel:
             # One lock file per server: every model instance's stub is a child of it.
             path = os.path.join(tempfile.gettempdir(), f"accel_sim-device-{os.getppid()}.lock")
             self.device_lock = open(path, "a")  # noqa: SIM115 - held for the model's life
+        self.server = os.getppid()  # the tritonserver whose stub this is (BATCH_SERVER)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"accel_sim running on {self.device}", flush=True)  # read by device checks
         gen = torch.Generator().manual_seed(int(params.get("seed", "1234")))
@@ -106,6 +109,8 @@ class TritonPythonModel:
                         output_tensor("BATCH_SIZE", column(rows, batch_size)),
                         output_tensor("PADDED_LENGTH", column(rows, longest)),
                         output_tensor("BATCH_COST_US", column(rows, round(cost_s * 1e6))),
+                        output_tensor("BATCH_START_US", column(rows, round(started * 1e6))),
+                        output_tensor("BATCH_SERVER", column(rows, self.server)),
                     ]
                 )
             )

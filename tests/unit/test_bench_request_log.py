@@ -1,0 +1,69 @@
+"""The request log's arithmetic: where a request waited before its batch (pure, no servers)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from proxy.bench.request_log import RequestLog, analyse, file_name, waits
+from proxy.bench.runner import RunRecords
+from proxy.bench.scenario import Arrival
+
+# (sent s, batch start s, batch cost ms, server)
+REQUESTS = [
+    (-0.002, 0.000, 10, 1),  # batch A on server 1: 0-10 ms
+    (0.005, 0.010, 5, 1),  # sent while A ran; batch B right after it: 10-15 ms
+    (0.016, 0.040, 6, 1),  # sent 1 ms after B ended, nothing ran until 40 ms...
+    (0.039, 0.040, 6, 1),  # ...when this arrival joined it
+    (0.016, 0.017, 6, 2),  # another server, idle: 1 ms
+]
+
+
+def _log() -> RequestLog:
+    schedule = [
+        Arrival(
+            index=i, t=sent, cls="realtime" if i else "online", tokens=8, session=None, warmup=False
+        )
+        for i, (sent, *_rest) in enumerate(REQUESTS)
+    ]
+    rec = RunRecords.empty(len(REQUESTS), 0.0)
+    for i, (sent, begun, cost_ms, server) in enumerate(REQUESTS):
+        rec.scheduled[i] = rec.started[i] = sent
+        rec.finished[i] = begun + cost_ms / 1e3
+        rec.outcome[i] = 0
+        rec.batch[i] = (1, 8, cost_ms * 1000)
+        rec.batch_start[i] = begun
+        rec.batch_server[i] = server
+    return RequestLog.of("proxy arm", 0, schedule, rec)
+
+
+def test_a_wait_splits_into_busy_and_idle_time_of_the_server():
+    w = waits(_log(), np.ones(len(REQUESTS), dtype=np.bool_))
+    np.testing.assert_allclose(w.wait, [2, 5, 24, 1, 1], atol=1e-9)
+    # sent while batch A ran: all of its wait was busy time; the third waited 24 ms of nothing
+    np.testing.assert_allclose(w.idle, [2, 0, 24, 1, 1], atol=1e-9)
+    assert w.released.tolist() == [False, False, True, False, False]
+    assert math.isnan(w.since_answer[0]) and math.isnan(w.since_answer[1])
+    np.testing.assert_allclose(w.since_answer[2:4], [1, 24], atol=1e-9)
+    assert math.isnan(w.since_answer[4])  # server 2 had run nothing before
+
+
+def test_a_request_without_a_known_batch_is_left_out():
+    log = _log()
+    log.batch_start[2] = np.nan
+    w = waits(log, np.ones(len(REQUESTS), dtype=np.bool_))
+    assert len(w.wait) == len(REQUESTS) - 1
+
+
+def test_logs_survive_a_round_trip_and_are_analysed(tmp_path):
+    path = tmp_path / file_name("proxy arm/x", 0)
+    assert path.name == "proxy_arm_x#1.npz"
+    _log().save(path)
+    back = RequestLog.load(path)
+    assert back.arm == "proxy arm" and back.classes == ("online", "realtime")
+    np.testing.assert_array_equal(back.batch_server, _log().batch_server)
+    text = analyse([back])
+    row = next(line for line in text.splitlines() if "realtime" in line and " all " in line)
+    # four realtime requests, one of them stalled (idle 24 ms > 5 ms), released by an arrival
+    assert row.split()[4:6] == ["4", "3.0"] and "25.0%" in row and "100%" in row
