@@ -69,7 +69,7 @@ from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
 from proxy.bench.procs import stop_process
 from proxy.bench.results import PROXY_RSS
-from proxy.bench.runner import LoadProbe, PrometheusGaugeProbe, TargetSpec
+from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.local.fleet import log_tail
 
@@ -758,14 +758,12 @@ def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints
     pending = triton_pending_probe(servers, model)
     parts: list[tuple[LoadProbe, str]] = [(pending, " queued")]
     if endpoints.metrics_url is not None:
-        in_flight = PrometheusGaugeProbe(
-            {"proxy": endpoints.metrics_url}, PROXY_IN_FLIGHT, split_label="instance"
+        page = {"proxy": endpoints.metrics_url}
+        in_flight = PrometheusGaugeProbe(page, PROXY_IN_FLIGHT, split_label="instance")
+        occupancy = PrometheusGaugeProbe(page, PROXY_OCCUPANCY, {"model": model})
+        parts.append(
+            (OneScrapeProbe([(in_flight, " proxy in flight"), (occupancy, " occupancy")]), "")
         )
-        parts.append((in_flight, " proxy in flight"))
-        occupancy = PrometheusGaugeProbe(
-            {"proxy": endpoints.metrics_url}, PROXY_OCCUPANCY, {"model": model}
-        )
-        parts.append((occupancy, " occupancy"))
     if endpoints.pid is not None:
         parts.append((RssProbe(endpoints.pid), ""))
     if len(parts) == 1:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from proxy.bench.request_log import RequestLog, analyse, file_name, waits
-from proxy.bench.runner import RunRecords
+from proxy.bench.runner import OneScrapeProbe, PrometheusGaugeProbe, RunRecords
 from proxy.bench.scenario import Arrival
 
 # (sent s, batch start s, batch cost ms, server)
@@ -67,3 +68,51 @@ def test_logs_survive_a_round_trip_and_are_analysed(tmp_path):
     row = next(line for line in text.splitlines() if "realtime" in line and " all " in line)
     # four realtime requests, one of them stalled (idle 24 ms > 5 ms), released by an arrival
     assert row.split()[4:6] == ["4", "3.0"] and "25.0%" in row and "100%" in row
+
+
+PAGE = """# HELP triton_proxy_instance_in_flight Requests in flight
+# TYPE triton_proxy_instance_in_flight gauge
+triton_proxy_instance_in_flight{instance="triton-0"} 2.0
+triton_proxy_instance_in_flight{instance="triton-1"} 0.0
+triton_proxy_instance_in_flight_total{instance="triton-1"} 7.0
+# TYPE triton_proxy_model_occupancy gauge
+triton_proxy_model_occupancy{model="accel_sim"} 0.25
+triton_proxy_model_occupancy{model="other"} 0.5
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="accel_sim",version="1"} 3
+nv_inference_pending_request_count{model="simple",version="1"} 9
+"""
+
+
+def test_a_gauge_probe_reads_only_its_metric_from_a_page():
+    split = PrometheusGaugeProbe(
+        {"proxy": "-"}, "triton_proxy_instance_in_flight", None, "instance"
+    )
+    assert split.read("proxy", PAGE) == {"triton-0": 2.0, "triton-1": 0.0}  # not ..._total
+    one = PrometheusGaugeProbe({"p": "-"}, "triton_proxy_model_occupancy", {"model": "accel_sim"})
+    assert one.read("p", PAGE) == {"p": 0.25}
+    triton = PrometheusGaugeProbe({}, "nv_inference_pending_request_count", {"model": "accel_sim"})
+    assert triton.read("t0", PAGE) == {"t0": 3.0}
+    assert triton.read("t0", "") == {}
+
+
+async def test_gauges_of_one_page_are_read_from_one_scrape():
+    page = {"proxy": "http://proxy/metrics"}
+    in_flight = PrometheusGaugeProbe(page, "triton_proxy_instance_in_flight", None, "instance")
+    occupancy = PrometheusGaugeProbe(page, "triton_proxy_model_occupancy", {"model": "accel_sim"})
+    fetched: list[str] = []
+
+    async def fetch(url: str) -> str:
+        fetched.append(url)
+        return PAGE
+
+    in_flight.fetch = fetch  # type: ignore[method-assign]
+    probe = OneScrapeProbe([(in_flight, " in flight"), (occupancy, " occupancy")])
+    assert await probe.sample() == {
+        "triton-0 in flight": 2.0,
+        "triton-1 in flight": 0.0,
+        "proxy occupancy": 0.25,
+    }
+    assert fetched == ["http://proxy/metrics"]  # once, for both gauges
+    with pytest.raises(ValueError, match="same pages"):
+        OneScrapeProbe([(in_flight, ""), (PrometheusGaugeProbe({"t": "x"}, "m"), "")])
