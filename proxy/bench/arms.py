@@ -42,7 +42,8 @@ Every arm sends the same schedule to the same local Triton servers:
   wake judges every instance by a full batch (``routing.wake.by_work: false``, the rule
   before the fifteenth round); ``+wake_work10``: its floor at 10 ms; ``+light``: the lane
   packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``);
-  ``+light_alone``: below it, long work also avoids more important work (``spread_alone``).
+  ``+light_alone``: below it, long work also avoids more important work (``spread_alone``);
+  ``+light_wake10``: ``+light`` with ``+wake_work10``'s wake.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -373,6 +374,12 @@ def _catalog() -> dict[str, ArmPlan]:
         "important work in flight (spread_alone)",
         spread_alone=True,
     )
+    light_wake10 = replace(
+        light,
+        name="proxy_shallow_lane+light_wake10",
+        description="proxy_shallow_lane+light with the wake's floor at 10 ms, scanned every 5 ms",
+        routing=wake_work10.routing,
+    )
     at = plans.index(shallow) + 1
     plans[at:at] = [
         quiet,
@@ -384,6 +391,7 @@ def _catalog() -> dict[str, ArmPlan]:
         wake_work10,
         light,
         light_alone,
+        light_wake10,
     ]
     return {p.name: p for p in plans}
 
