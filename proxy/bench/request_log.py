@@ -197,7 +197,80 @@ def analyse(logs: Sequence[RequestLog]) -> str:
                 span = sum(_span(log) for log in mine)
                 lines.append(_row(arm, name, label, w, span))
         lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines).rstrip() + "\n\n" + anatomy(logs)
+
+
+SEGMENTS = ("lag", "to batch", "run", "back")
+"""Where a request's latency (from its scheduled send time) went: the generator's lag before
+sending it, send to its batch's start (the arm, the HTTP exchange, Triton's queue), the
+batch's device time, and the batch's end to the generator reading the answer (Triton's
+answer, the arm relaying it, the generator's loop)."""
+
+
+def segments(log: RequestLog, sel: NDArray[np.bool_]) -> NDArray[np.float64]:
+    """``[n, 4]`` ms of :data:`SEGMENTS` for the requests ``sel`` picks with a known batch."""
+    i = np.flatnonzero(sel & np.isfinite(log.batch_start) & (log.batch[:, 2] >= 0))
+    run = log.batch[i, 2] / 1e6
+    end = log.batch_start[i] + run
+    parts = [
+        log.started[i] - log.scheduled[i],
+        log.batch_start[i] - log.started[i],
+        run,
+        log.finished[i] - end,
+    ]
+    out: NDArray[np.float64] = np.stack(parts, axis=1) * 1e3
+    return out
+
+
+def anatomy(logs: Sequence[RequestLog]) -> str:
+    """Per arm and class: the median of each segment over each repetition's slowest
+    :data:`TAIL` (pooled), and the P99 of each over all requests."""
+    head = " ".join(f"{s:>8}" for s in SEGMENTS)
+    lines = [
+        f"where latency went (ms): median over the slowest {TAIL:.0%} of each repetition"
+        " | P99 over all requests",
+        f"{'arm':<34} {'class':<9} {head} | {head}",
+    ]
+    for arm in dict.fromkeys(log.arm for log in logs):
+        mine = [log for log in logs if log.arm == arm]
+        for name in dict.fromkeys(c for log in mine for c in log.classes):
+            slow, every = [], []
+            for log in mine:
+                tail = _slowest(log, name)
+                if tail is None:
+                    continue
+                every.append(segments(log, _measured(log, name)))
+                slow.append(segments(log, tail))
+            if not slow or not sum(len(x) for x in slow):
+                continue
+            med = np.median(np.concatenate(slow), axis=0)
+            p99 = np.percentile(np.concatenate(every), 99, axis=0)
+            cells = " ".join(f"{v:>8.1f}" for v in med)
+            cells99 = " ".join(f"{v:>8.1f}" for v in p99)
+            lines.append(f"{arm:<34} {name:<9} {cells} | {cells99}")
+    return "\n".join(lines) + "\n"
+
+
+def _measured(log: RequestLog, name: str) -> NDArray[np.bool_]:
+    """The class's answered requests of the measured window."""
+    sel: NDArray[np.bool_] = (log.cls == log.classes.index(name)) & ~log.warmup & (log.outcome == 0)
+    return sel
+
+
+def _slowest(log: RequestLog, name: str) -> NDArray[np.bool_] | None:
+    """The slowest :data:`TAIL` (by latency, at least one) of the class's measured, answered
+    requests; None when the log has no such class or request."""
+    if name not in log.classes:
+        return None
+    sel = _measured(log, name)
+    idx = np.flatnonzero(sel)
+    if not idx.size:
+        return None
+    lat = log.finished - log.scheduled
+    keep = max(1, round(TAIL * idx.size))
+    out = np.zeros_like(sel)
+    out[idx[np.argsort(lat[idx])[-keep:]]] = True
+    return out
 
 
 def _pool(parts: Sequence[Waits]) -> Waits:
@@ -210,19 +283,10 @@ def _pool(parts: Sequence[Waits]) -> Waits:
 
 
 def _class_waits(log: RequestLog, name: str, tail: bool) -> Waits | None:
-    if name not in log.classes:
+    sel = _slowest(log, name) if tail else None
+    if sel is None and (tail or name not in log.classes):
         return None
-    sel = (log.cls == log.classes.index(name)) & ~log.warmup & (log.outcome == 0)
-    if tail:
-        lat = log.finished - log.scheduled
-        idx = np.flatnonzero(sel)
-        if not idx.size:
-            return None
-        keep = max(1, round(TAIL * idx.size))
-        slow = idx[np.argsort(lat[idx])[-keep:]]
-        sel = np.zeros_like(sel)
-        sel[slow] = True
-    return waits(log, sel)
+    return waits(log, sel if sel is not None else _measured(log, name))
 
 
 def _span(log: RequestLog) -> float:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from proxy.bench.request_log import RequestLog, analyse, file_name, waits
+from proxy.bench.request_log import RequestLog, analyse, anatomy, file_name, segments, waits
 from proxy.bench.runner import OneScrapeProbe, PrometheusGaugeProbe, RunRecords
 from proxy.bench.scenario import Arrival
 
@@ -116,3 +116,14 @@ async def test_gauges_of_one_page_are_read_from_one_scrape():
     assert fetched == ["http://proxy/metrics"]  # once, for both gauges
     with pytest.raises(ValueError, match="same pages"):
         OneScrapeProbe([(in_flight, ""), (PrometheusGaugeProbe({"t": "x"}, "m"), "")])
+
+
+def test_latency_splits_into_lag_wait_run_and_the_way_back():
+    log = _log()
+    log.finished[2] += 0.012  # its answer took 12 ms longer to come back
+    log.scheduled[3] -= 0.004  # the generator sent it 4 ms late
+    seg = segments(log, np.ones(len(REQUESTS), dtype=np.bool_))
+    np.testing.assert_allclose(seg[2], [0, 24, 6, 12], atol=1e-9)
+    np.testing.assert_allclose(seg[3], [4, 1, 6, 0], atol=1e-9)
+    text = anatomy([log])
+    assert text.splitlines()[1].split()[2:6] == ["lag", "to", "batch", "run"]
