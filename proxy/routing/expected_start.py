@@ -36,7 +36,11 @@ class ExpectedStartParams:
     1.15x the best baseline's against the lane's 1.56x, real-time not better (1.27x against
     1.16x), and at x0.5, where the occupancy straddles 0.5, real-time 0.85x against 0.61x;
     on six servers below capacity better than the lane on every class, still 1.5-2.9x round
-    robin's. Opt-in."""
+    robin's. Those light-load ratios carried the benchmark's own probe stall (seventeenth
+    round); without it, ``long_share.yaml`` x0.25: real-time 15.7 / online 25.1 ms against
+    the best baseline's 18.9 / 28.0, the lane 16.1 / 41.1; but on ``case.yaml`` x0.25 its
+    spread long rows hit Triton's batcher stall on instances the wake does not judge (P99
+    256 against the lane's 64 ms). Opt-in."""
     spread_alone: bool = False
     """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
     work of a more important priority level in flight (``Candidate.above``) as holding one
