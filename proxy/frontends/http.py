@@ -11,12 +11,13 @@ Credentials (the API-key header, the admin token) and the class header stay at t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 from proxy.budget import Hold
 from proxy.dispatch import ModelAbsentError, says_model_absent
@@ -88,19 +89,33 @@ def _raise_if_absent(status: int, body: bytes, answer: Response) -> None:
             raise ModelAbsentError(text, answer)
 
 
+Headers = list[tuple[str, str]]
+
+
+@functools.lru_cache(maxsize=64)
+def _not_forwarded(private: frozenset[str], also: str | None) -> frozenset[str]:
+    return HOP_BY_HOP | private | ({also} if also else frozenset())
+
+
 def _forward_headers(
     headers: CIMultiDictProxy[str],
     private: frozenset[str] = frozenset(),
     also: str | None = None,
-) -> CIMultiDict[str]:
+) -> Headers:
     """Headers to send upstream: all but hop-by-hop ones, ``private`` (lower-case names:
-    credentials and the class header, consumed by the proxy) and ``also``."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        low = k.lower()
-        if low not in HOP_BY_HOP and low not in private and low != also:
-            out.add(k, v)
-    return out
+    credentials and the class header, consumed by the proxy) and ``also``.
+
+    A list of pairs, what the HTTP/1.1 pool writes and aiohttp's client accepts: building a
+    ``CIMultiDict`` and listing it again cost eight Python calls per request (cProfile,
+    session 17)."""
+    dropped = _not_forwarded(private, also)
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
+
+
+def _with_header(headers: Headers, name: str, value: str) -> Headers:
+    """``headers`` with ``name`` (any case) set to ``value`` alone."""
+    low = name.lower()
+    return [(k, v) for k, v in headers if k.lower() != low] + [(name, value)]
 
 
 class _BodyHold:
@@ -197,16 +212,20 @@ class HttpFrontend:
         check_shapes(shapes, len(body))
         # The server's headers are case-insensitive already: no lower-cased copy is needed.
         params = read_params(body, header_length)
+        timeout_header = request.headers.get(deadline.TIMEOUT_HEADER)
         call = Call(
             model=route.model,
             headers=request.headers,
             params=params,
             session_key=rt.session_key(request.headers),
             cost=cost_of(shapes),
-            deadline=deadline.client_deadline(
+            # Most requests carry no deadline: no clock read then.
+            deadline=None
+            if params.timeout_us is None and timeout_header is None
+            else deadline.client_deadline(
                 rt.clock.now(),
                 timeout_us=params.timeout_us,
-                header_s=deadline.parse_timeout_ms(request.headers.get(deadline.TIMEOUT_HEADER)),
+                header_s=deadline.parse_timeout_ms(timeout_header),
             ),
         )
         stream = route.kind is Kind.GENERATE_STREAM
@@ -222,8 +241,7 @@ class HttpFrontend:
             if values and infer:
                 data, length = with_parameters(body, header_length, values)
                 if length is not None:
-                    hdrs = headers.copy()
-                    hdrs[HEADER_LENGTH] = length
+                    hdrs = _with_header(headers, HEADER_LENGTH, length)
             return await self._exchange(
                 instance, request, route.upstream_path, data, hdrs, stream=stream, dispatched=True
             )
@@ -241,29 +259,49 @@ class HttpFrontend:
             holds_on_leave=not stream,
         )
 
-    async def _exchange(
+    def _exchange(
         self,
         instance: Instance,
         request: Request,
         path: str,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: Headers,
         *,
         stream: bool = False,
         dispatched: bool = False,
-    ) -> Response | Stream:
+    ) -> Awaitable[Response | Stream]:
         """Send one request for ``path`` (built by the route table) to ``instance`` and relay
         its answer to the client.
 
         ``dispatched``: an inference request, whose "unknown model" answer from this one
         instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
+
+        Not a coroutine: it hands back the exchange to await, one coroutine layer less per
+        request (session 17).
         """
         rt = self._rt()
         pool = None if stream else rt.upstreams.http1(instance)
         if pool is not None:
-            return await self._exchange_http1(
+            return self._exchange_http1(
                 instance, pool, request.method, path, body, headers, dispatched=dispatched
             )
+        return self._exchange_aiohttp(
+            instance, request, path, body, headers, stream=stream, dispatched=dispatched
+        )
+
+    async def _exchange_aiohttp(
+        self,
+        instance: Instance,
+        request: Request,
+        path: str,
+        body: bytes,
+        headers: Headers,
+        *,
+        stream: bool,
+        dispatched: bool,
+    ) -> Response | Stream:
+        """A request through aiohttp's client: streamed answers, ``https://`` instances."""
+        rt = self._rt()
         with rt.upstreams.using(instance) as session:
             try:
                 upstream = await session.request(
@@ -293,11 +331,11 @@ class HttpFrontend:
                 data = await upstream.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise http_failure(exc, before_response=False) from exc
-            answer = Response(upstream.status, data, out_headers.items())
+            answer = Response(upstream.status, data, out_headers)
             if dispatched:
                 _raise_if_absent(upstream.status, data, answer)
             return answer
-        response = request.start_stream(upstream.status, out_headers.items())
+        response = request.start_stream(upstream.status, out_headers)
         try:
             # Relay each chunk as it arrives: server-sent events must not be buffered.
             async for chunk in upstream.content.iter_any():
@@ -318,7 +356,7 @@ class HttpFrontend:
         method: str,
         path: str,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: Headers,
         *,
         dispatched: bool,
     ) -> Response:
@@ -327,7 +365,7 @@ class HttpFrontend:
         rt = self._rt()
         timeout = rt.upstreams.request_timeout_s
         try:
-            answer = await pool.request(method, path, list(headers.items()), body, timeout)
+            answer = await pool.request(method, path, headers, body, timeout)
         except TimeoutError as exc:
             raise UpstreamTimeoutError(f"no answer within {timeout:g} s") from exc
         if answer.status >= 500:
@@ -363,7 +401,7 @@ class HttpFrontend:
         several workers, only the leader fans out (:mod:`proxy.frontends.admin_relay`)."""
         rt = self._rt()
         body = request.body
-        headers = list(_forward_headers(request.headers, rt.private_headers).items())
+        headers = _forward_headers(request.headers, rt.private_headers)
         if rt.admin_leader is not None:
             rt.telemetry.model_control_calls.labels("http", "relayed_to_leader").inc()
             fan_out = rt.admin_leader.http
