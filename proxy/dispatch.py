@@ -347,22 +347,26 @@ class Dispatcher:
             sending = self._send(r, None, self._placing(r, None), trace)
             return await _once_sent(sending, r.runs_to_end())
         queued_at = time.perf_counter()
-        # Entered here (a client that leaves while queued leaves the queue at once), left by
-        # whoever finishes the send.
-        held = contextlib.AsyncExitStack()
+        # Entered here (a client that leaves while queued leaves the queue at once), released
+        # by whoever finishes the send: ``release`` in a ``finally`` rather than an
+        # ``AsyncExitStack`` handed over, which was eight Python calls per request more
+        # (cProfile, session 17).
         admitted = admission.admit(call.model, r.info, r.klass, call.deadline)
-        priority = await held.enter_async_context(admitted)
+        priority = await admitted.__aenter__()
         trace.queue_wait_s = time.perf_counter() - queued_at
 
         linger = r.upstream_cancels and not r.stream
 
         async def dispatched() -> tuple[Instance, T]:
-            async with held:
+            try:
                 # At the head of its class queue: a request whose deadline passed goes no
                 # further.
-                deadline.check(call.deadline, self.fleet.clock.now(), call.model)
+                if call.deadline is not None:
+                    deadline.check(call.deadline, self.fleet.clock.now(), call.model)
                 placing = self._placing(r, priority, admitted.depth)
                 return await self._send(r, priority, placing, trace, linger=linger)
+            finally:
+                admitted.release()
 
         if linger:
             return await deadline.apart(dispatched(), lambda: trace.lingering)
