@@ -38,15 +38,15 @@ def shape_cost(shape: Sequence[int]) -> float:
     if not shape:
         return 1.0
     rows = max(1, shape[0])
-    rest = [d for d in shape[1:] if d > 0]
-    return float(rows * max(rest)) if rest else float(rows)
+    longest = max(shape[1:], default=0)
+    return float(rows * longest) if longest > 0 else float(rows)
 
 
 def cost_of(shapes: Sequence[Sequence[int]]) -> float:
     """The request's cost: the largest of its inputs' (1 without a readable shape)."""
     if not shapes:
         return 1.0
-    return min(_MAX_COST, max(shape_cost(s) for s in shapes))
+    return min(_MAX_COST, max(map(shape_cost, shapes)))
 
 
 def http_shapes(json_header: bytes) -> list[tuple[int, ...]]:
@@ -152,8 +152,15 @@ class CostModel:
     overrides: dict[str, CostOverride] = field(default_factory=dict)
     _fits: dict[str, _Fit] = field(default_factory=dict)
 
+    def _fit(self, model: str, cost: float) -> _Fit:
+        fit = self._fits.get(model)
+        if fit is None:
+            # Not ``setdefault``: that built a new _Fit on every call (twice per request).
+            fit = self._fits[model] = _Fit(typical=cost)
+        return fit
+
     def observe_cost(self, model: str, cost: float) -> None:
-        fit = self._fits.setdefault(model, _Fit(typical=cost))
+        fit = self._fit(model, cost)
         # Median tracking: step towards the sample by a fraction of the current estimate.
         step = 0.05 * max(fit.typical, 1.0)
         fit.typical += step if cost > fit.typical else -step if cost < fit.typical else 0.0
@@ -164,7 +171,7 @@ class CostModel:
         return fit is not None and cost >= self.long_ratio * fit.typical
 
     def observe_alone(self, model: str, cost: float, seconds: float) -> None:
-        self._fits.setdefault(model, _Fit(typical=cost)).add(cost, seconds, self.decay)
+        self._fit(model, cost).add(cost, seconds, self.decay)
 
     def curve(self, model: str) -> tuple[float, float] | None:
         """``(base_s, per_unit_s)`` for ``model``, or None before enough samples."""
