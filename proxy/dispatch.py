@@ -107,7 +107,10 @@ class Arm:
     classifier: Classifier | None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
+# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
+# 1.3 µs, ``timeit``, session 17).
+@dataclass(slots=True)
 class Placing:
     """One request as placement sees it, how it counts in flight, and its arm's placement."""
 
@@ -122,7 +125,10 @@ class RetryGate(Protocol):
     def try_retry(self) -> bool: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
+# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
+# 1.3 µs, ``timeit``, session 17).
+@dataclasses.dataclass(slots=True)
 class _Request(Generic[T]):
     """One request on its way through :meth:`Dispatcher.run`: the call, where it goes and how it
     is sent (``run``'s arguments: see there)."""

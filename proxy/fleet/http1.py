@@ -34,7 +34,10 @@ MAX_HEAD_BYTES = 64 * 1024
 """A response head larger than this is malformed (Triton's are a few hundred bytes)."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
+# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
+# 1.3 µs, ``timeit``, session 17).
+@dataclass(slots=True)
 class Http1Response:
     status: int
     reason: str
