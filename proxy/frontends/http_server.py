@@ -40,7 +40,6 @@ import asyncio
 import collections
 import contextlib
 import http
-import itertools
 import logging
 import socket
 import zlib
@@ -270,8 +269,7 @@ class _Connection(asyncio.Protocol):
         self._continue_when_idle = False
         # The message being parsed.
         self._url: list[bytes] = []
-        self._fields: list[tuple[bytes, bytes]] = []
-        """The header fields of the request being parsed, as sent."""
+        self._headers: CIMultiDict[str] = CIMultiDict()
         self._in_head = False
         self._head_began = False
         self._head_bytes = 0
@@ -371,7 +369,7 @@ class _Connection(asyncio.Protocol):
         self._head_began = True
         self._head_bytes = 0
         self._url.clear()
-        self._fields = []
+        self._headers = CIMultiDict()
         self._chunks = []
         self._received = 0
         self._decoder = None
@@ -383,34 +381,18 @@ class _Connection(asyncio.Protocol):
             self._stop(_bad_request(f"request target over {MAX_FIELD_BYTES} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Only kept here; checked and decoded together once the head is complete
-        # (:meth:`_header_map`): llhttp calls this once per field, and the checks and decoding
-        # of each were six calls more per field (cProfile, session 17). The head's size is
-        # bounded meanwhile by MAX_HEAD_BYTES (data_received).
-        self._fields.append((name, value))
-
-    def _header_map(self) -> CIMultiDict[str]:
-        """The header fields, decoded; refused in the order they came when one is too long or
-        there are too many, as if each had been checked on arrival."""
-        fields = self._fields
-        longest = max(map(len, itertools.chain.from_iterable(fields)), default=0)
-        if len(fields) > MAX_HEADERS or longest > MAX_FIELD_BYTES:
-            for i, (name, value) in enumerate(fields):
-                if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
-                    self._stop(_bad_request(f"header field over {MAX_FIELD_BYTES} bytes"))
-                if i >= MAX_HEADERS:
-                    self._stop(_bad_request(f"more than {MAX_HEADERS} headers"))
-        return CIMultiDict(
-            [
-                (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-                for name, value in fields
-            ]
+        if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
+            self._stop(_bad_request(f"header field over {MAX_FIELD_BYTES} bytes"))
+        if len(self._headers) >= MAX_HEADERS:
+            self._stop(_bad_request(f"more than {MAX_HEADERS} headers"))
+        self._headers.add(
+            name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
         )
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         parser = self._parser
-        headers = self._header_map()
+        headers = self._headers
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         length_text = headers.get("Content-Length")
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
