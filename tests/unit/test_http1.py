@@ -253,3 +253,32 @@ async def test_a_slot_handed_to_a_request_cancelled_at_that_moment_passes_on():
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert pool._free_slots == 1 and not pool._slot_waiters
+
+
+async def test_the_connection_timer_follows_each_exchange_deadline():
+    delays = [0.0, 0.2, 0.0, 5.0]  # seconds before each answer on the one connection
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while delays:
+                await reader.readuntil(b"\r\n\r\n")
+                await asyncio.sleep(delays.pop(0))
+                writer.write(OK)
+                await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    pool = Http1Pool(url, limit=1, connect_timeout_s=1.0)
+    async with asyncio.timeout(3):
+        # The timer armed for a short deadline fires during a later, longer exchange: it
+        # re-arms instead of failing it.
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=0.05)).status == 200
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=1.0)).status == 200
+        # A timer armed far out is brought forward for a shorter deadline.
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=60.0)).status == 200
+        with pytest.raises(TimeoutError):
+            await pool.request("GET", "/x", [], b"", timeout_s=0.1)
+    pool.close()
+    srv.close()
+    await srv.wait_closed()
