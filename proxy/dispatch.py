@@ -418,16 +418,18 @@ class Dispatcher:
             cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
-        request = RouteRequest(
-            model=call.model,
-            session_key=call.session_key,
-            cost=call.cost,
-            class_name=klass,
-            level=level if priority is not None else None,
-            long=long,
-            class_cap=cap,
-            batch=max(1, batch),
-            occupancy=self.fleet.occupancy.get(call.model),
+        request = RouteRequest.fast(
+            {
+                "model": call.model,
+                "session_key": call.session_key,
+                "cost": call.cost,
+                "class_name": klass,
+                "level": level if priority is not None else None,
+                "long": long,
+                "class_cap": cap,
+                "batch": max(1, batch),
+                "occupancy": self.fleet.occupancy.get(call.model),
+            }
         )
         return Placing(
             request, Work(class_name=klass, level=level, long=long, cost=call.cost), arm.placement
