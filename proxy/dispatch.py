@@ -108,8 +108,8 @@ class Arm:
 
 
 # Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
-# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
-# 1.3 µs, ``timeit``, session 17).
+# field through ``object.__setattr__``, and one is built per request (with nine fields, 4.5
+# against 1.3 µs to build, ``timeit``, session 17).
 @dataclass(slots=True)
 class Placing:
     """One request as placement sees it, how it counts in flight, and its arm's placement."""
@@ -126,8 +126,8 @@ class RetryGate(Protocol):
 
 
 # Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
-# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
-# 1.3 µs, ``timeit``, session 17).
+# field through ``object.__setattr__``, and one is built per request (with nine fields, 4.5
+# against 1.3 µs to build, ``timeit``, session 17).
 @dataclasses.dataclass(slots=True)
 class _Request(Generic[T]):
     """One request on its way through :meth:`Dispatcher.run`: the call, where it goes and how it
@@ -654,8 +654,9 @@ def _answer(answer: T) -> T:
 
 
 def _once_sent(work: Coroutine[Any, Any, T], runs_to_end: bool) -> Awaitable[T]:
-    """Await a dispatched request. When cancelling cannot stop it upstream (HTTP: Triton does not
-    see a closed connection, server issue #7077), it runs to its end even if the client leaves:
+    """What to await for a dispatched request. When cancelling cannot stop it upstream (HTTP:
+    Triton does not see a closed connection, server issue #7077), it runs to its end even if
+    the client leaves:
     it still takes Triton's time, so its gate slot and in-flight token stay counted until
     Triton answers (measured: releasing them at once let the gate send more work than its
     limit, and 20 % of Triton's time went to abandoned requests at 2x load).

@@ -35,8 +35,8 @@ MAX_HEAD_BYTES = 64 * 1024
 
 
 # Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
-# field through ``object.__setattr__``, and one is built per request (nine fields: 4.5 against
-# 1.3 µs, ``timeit``, session 17).
+# field through ``object.__setattr__``, and one is built per request (with nine fields, 4.5
+# against 1.3 µs to build, ``timeit``, session 17).
 @dataclass(slots=True)
 class Http1Response:
     status: int
@@ -290,7 +290,7 @@ class Http1Pool:
         """Called after ``in_use`` changed (routing views refresh the instance)."""
         # Requests may hold at most ``limit`` connections; past that they wait in order. A
         # count and a queue of futures rather than ``asyncio.Semaphore``, whose ``async with``
-        # was six Python calls per request even when a slot was free (cProfile, session 17).
+        # took 0.65-0.74 µs even with a slot free, against about 0.1 µs (session 17).
         self._free_slots = limit
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.closed = False
