@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, though subscribers share it and must not change it: a frozen dataclass's
+# ``__init__`` sets each field through ``object.__setattr__``, and one is built per request
+# (with nine fields, 4.5 against 1.3 µs to build; this one 1.6 against 0.6 µs, ``timeit``,
+# session 17).
+@dataclass(slots=True)
 class RequestRecord:
     model: str
     """The model's metric label (``other`` for models no instance knows)."""

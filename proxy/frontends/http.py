@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -197,16 +197,20 @@ class HttpFrontend:
         check_shapes(shapes, len(body))
         # The server's headers are case-insensitive already: no lower-cased copy is needed.
         params = read_params(body, header_length)
+        timeout_header = request.headers.get(deadline.TIMEOUT_HEADER)
         call = Call(
             model=route.model,
             headers=request.headers,
             params=params,
             session_key=rt.session_key(request.headers),
             cost=cost_of(shapes),
-            deadline=deadline.client_deadline(
+            # Most requests carry no deadline: no clock read then.
+            deadline=None
+            if params.timeout_us is None and timeout_header is None
+            else deadline.client_deadline(
                 rt.clock.now(),
                 timeout_us=params.timeout_us,
-                header_s=deadline.parse_timeout_ms(request.headers.get(deadline.TIMEOUT_HEADER)),
+                header_s=deadline.parse_timeout_ms(timeout_header),
             ),
         )
         stream = route.kind is Kind.GENERATE_STREAM
@@ -241,7 +245,7 @@ class HttpFrontend:
             holds_on_leave=not stream,
         )
 
-    async def _exchange(
+    def _exchange(
         self,
         instance: Instance,
         request: Request,
@@ -251,19 +255,39 @@ class HttpFrontend:
         *,
         stream: bool = False,
         dispatched: bool = False,
-    ) -> Response | Stream:
+    ) -> Awaitable[Response | Stream]:
         """Send one request for ``path`` (built by the route table) to ``instance`` and relay
         its answer to the client.
 
         ``dispatched``: an inference request, whose "unknown model" answer from this one
         instance raises :class:`ModelAbsentError` (the dispatcher may go elsewhere).
+
+        Not a coroutine: it hands back the exchange to await, one coroutine layer less per
+        request (session 17).
         """
         rt = self._rt()
         pool = None if stream else rt.upstreams.http1(instance)
         if pool is not None:
-            return await self._exchange_http1(
+            return self._exchange_http1(
                 instance, pool, request.method, path, body, headers, dispatched=dispatched
             )
+        return self._exchange_aiohttp(
+            instance, request, path, body, headers, stream=stream, dispatched=dispatched
+        )
+
+    async def _exchange_aiohttp(
+        self,
+        instance: Instance,
+        request: Request,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        *,
+        stream: bool,
+        dispatched: bool,
+    ) -> Response | Stream:
+        """A request through aiohttp's client: streamed answers, ``https://`` instances."""
+        rt = self._rt()
         with rt.upstreams.using(instance) as session:
             try:
                 upstream = await session.request(

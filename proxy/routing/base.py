@@ -102,6 +102,22 @@ class RouteRequest:
     """Smoothed share of the model's instances with work in flight, 0..1
     (``proxy.routing.occupancy``); 1.0 when not measured."""
 
+    @staticmethod
+    def fast(fields: dict[str, Any]) -> RouteRequest:
+        """``RouteRequest(**fields)`` with every field given, as :meth:`Candidate.fast` builds
+        a candidate: one is built per request, and the frozen ``__init__`` took 1.3-1.7 µs
+        against 0.5-0.6 µs (``timeit``, session 17)."""
+        if len(fields) != _REQUEST_FIELD_COUNT:
+            raise TypeError(
+                f"RouteRequest.fast needs all {_REQUEST_FIELD_COUNT} fields, got {sorted(fields)}"
+            )
+        r: RouteRequest = object.__new__(RouteRequest)
+        object.__setattr__(r, "__dict__", fields)
+        return r
+
+
+_REQUEST_FIELD_COUNT = len(dataclasses.fields(RouteRequest))
+
 
 class Policy(Protocol):
     reads_ahead: bool

@@ -19,7 +19,9 @@ overrides the fit per model.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.errors import Code, ProxyError
@@ -31,31 +33,36 @@ _SHAPE_FIELD = 3  # InferInputTensor.shape (packed int64)
 _MAX_COST = 1e12
 
 
-def shape_cost(shape: list[int]) -> float:
+def shape_cost(shape: Sequence[int]) -> float:
     """``rows x longest other dimension`` of one input (``rows`` for a 1-D input)."""
     if not shape:
         return 1.0
     rows = max(1, shape[0])
-    rest = [d for d in shape[1:] if d > 0]
-    return float(rows * max(rest)) if rest else float(rows)
+    longest = max(shape[1:], default=0)
+    return float(rows * longest) if longest > 0 else float(rows)
 
 
-def cost_of(shapes: list[list[int]]) -> float:
+def cost_of(shapes: Sequence[Sequence[int]]) -> float:
     """The request's cost: the largest of its inputs' (1 without a readable shape)."""
     if not shapes:
         return 1.0
-    return min(_MAX_COST, max(shape_cost(s) for s in shapes))
+    return min(_MAX_COST, max(map(shape_cost, shapes)))
 
 
-def http_shapes(json_header: bytes) -> list[list[int]]:
+def http_shapes(json_header: bytes) -> list[tuple[int, ...]]:
     """The ``shape`` arrays of an HTTP JSON header, as far as a scan can read them.
 
     A regular expression, not a JSON parse: a header may carry megabytes of JSON tensor data,
     and inside a JSON string a quote is escaped, so ``"shape"`` only matches a real key.
     """
-    return [
-        [int(d) for d in m.group(1).split(b",") if d.strip()] for m in _SHAPE.finditer(json_header)
-    ]
+    return [_dims(m.group(1)) for m in _SHAPE.finditer(json_header)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _dims(text: bytes) -> tuple[int, ...]:
+    # Memoised: a client sends the same few shapes over and over, and reading one took a
+    # list comprehension and two calls per dimension (cProfile, session 17).
+    return tuple(int(d) for d in text.split(b",") if d.strip())
 
 
 def grpc_shapes(request: bytes) -> list[list[int]]:
@@ -75,7 +82,7 @@ def grpc_shapes(request: bytes) -> list[list[int]]:
         return []
 
 
-def check_shapes(shapes: list[list[int]], nbytes: int) -> None:
+def check_shapes(shapes: Sequence[Sequence[int]], nbytes: int) -> None:
     """Refuse (400) an input whose shape holds more elements than a ``nbytes`` request can.
 
     Every element of a tensor takes at least one byte of the request (a JSON value, a binary
@@ -89,7 +96,7 @@ def check_shapes(shapes: list[list[int]], nbytes: int) -> None:
         for dim in shape:
             elements *= max(dim, 0)
             if elements > nbytes:
-                shown = shape if len(shape) <= 8 else [*shape[:8], "..."]
+                shown = list(shape) if len(shape) <= 8 else [*shape[:8], "..."]
                 raise ProxyError(
                     Code.INVALID_ARG,
                     f"input shape {shown} holds more elements than a request of {nbytes} "
@@ -145,8 +152,15 @@ class CostModel:
     overrides: dict[str, CostOverride] = field(default_factory=dict)
     _fits: dict[str, _Fit] = field(default_factory=dict)
 
+    def _fit(self, model: str, cost: float) -> _Fit:
+        fit = self._fits.get(model)
+        if fit is None:
+            # Not ``setdefault``: that built a new _Fit on every call (twice per request).
+            fit = self._fits[model] = _Fit(typical=cost)
+        return fit
+
     def observe_cost(self, model: str, cost: float) -> None:
-        fit = self._fits.setdefault(model, _Fit(typical=cost))
+        fit = self._fit(model, cost)
         # Median tracking: step towards the sample by a fraction of the current estimate.
         step = 0.05 * max(fit.typical, 1.0)
         fit.typical += step if cost > fit.typical else -step if cost < fit.typical else 0.0
@@ -157,7 +171,7 @@ class CostModel:
         return fit is not None and cost >= self.long_ratio * fit.typical
 
     def observe_alone(self, model: str, cost: float, seconds: float) -> None:
-        self._fits.setdefault(model, _Fit(typical=cost)).add(cost, seconds, self.decay)
+        self._fit(model, cost).add(cost, seconds, self.decay)
 
     def curve(self, model: str) -> tuple[float, float] | None:
         """``(base_s, per_unit_s)`` for ``model``, or None before enough samples."""

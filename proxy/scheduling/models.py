@@ -73,7 +73,13 @@ class ModelAdmission:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._admission.__aexit__(exc_type, exc, tb)
+        self.release()
+
+    def release(self) -> None:
+        """Free the slot now (idempotent): what leaving the ``async with`` does."""
+        ticket = self._admission.ticket
+        if ticket is not None:
+            ticket.release()
 
 
 class ModelGates:

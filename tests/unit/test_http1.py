@@ -203,3 +203,82 @@ async def test_header_bytes_travel_unchanged():
         await pool.request("GET", "/x", [("X-Name", value)], b"")
         assert b"\r\nX-Name: caf\xc3\xa9 \xff\r\n" in server.requests[0]
         pool.close()
+
+
+async def test_a_request_cancelled_while_waiting_for_a_slot_gives_no_slot_away():
+    gate = asyncio.Event()
+
+    async def answer_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await gate.wait()
+                writer.write(OK)
+                await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(answer_later, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    pool = Http1Pool(url, limit=1, connect_timeout_s=1.0)
+    first = asyncio.create_task(pool.request("GET", "/x", [], b""))
+    waiting = asyncio.create_task(pool.request("GET", "/x", [], b""))
+    behind = asyncio.create_task(pool.request("GET", "/x", [], b""))
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # left the queue: the slot goes to the one behind it, once
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert pool.in_use == 1
+    gate.set()
+    assert [(await t).status for t in (first, behind)] == [200, 200]
+    assert pool.in_use == 0
+    # All slots back: a burst still holds at most ``limit`` connections.
+    gate.clear()
+    burst = [asyncio.create_task(pool.request("GET", "/x", [], b"")) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert pool.in_use == 1
+    gate.set()
+    assert [r.status for r in await asyncio.gather(*burst)] == [200] * 3
+    pool.close()
+    srv.close()
+    await srv.wait_closed()
+
+
+async def test_a_slot_handed_to_a_request_cancelled_at_that_moment_passes_on():
+    pool = Http1Pool("http://127.0.0.1:9", limit=1, connect_timeout_s=1.0)
+    pool._free_slots = 0  # the one slot is held
+    waiter = asyncio.create_task(pool._wait_for_slot())
+    await asyncio.sleep(0)
+    pool._release_slot()  # handed to the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert pool._free_slots == 1 and not pool._slot_waiters
+
+
+async def test_the_connection_timer_follows_each_exchange_deadline():
+    delays = [0.0, 0.2, 0.0, 5.0]  # seconds before each answer on the one connection
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while delays:
+                await reader.readuntil(b"\r\n\r\n")
+                await asyncio.sleep(delays.pop(0))
+                writer.write(OK)
+                await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    pool = Http1Pool(url, limit=1, connect_timeout_s=1.0)
+    async with asyncio.timeout(3):
+        # The timer armed for a short deadline fires during a later, longer exchange: it
+        # re-arms instead of failing it.
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=0.05)).status == 200
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=1.0)).status == 200
+        # A timer armed far out is brought forward for a shorter deadline.
+        assert (await pool.request("GET", "/x", [], b"", timeout_s=60.0)).status == 200
+        with pytest.raises(TimeoutError):
+            await pool.request("GET", "/x", [], b"", timeout_s=0.1)
+    pool.close()
+    srv.close()
+    await srv.wait_closed()

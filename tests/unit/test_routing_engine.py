@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -191,3 +192,24 @@ def test_config_accepts_dashed_keys_and_params() -> None:
     assert config.session_header == "x-user"
     assert config.feedback.windows == 4
     assert config.policy_for("anything").params["load_factor"] == 1.5
+
+
+def test_route_request_fast_is_the_same_request():
+    fields = {
+        "model": "m",
+        "session_key": "s",
+        "cost": 16.0,
+        "class_name": "rt",
+        "level": 1,
+        "long": False,
+        "class_cap": None,
+        "batch": 8,
+        "occupancy": 0.5,
+    }
+    fast = RouteRequest.fast(dict(fields))
+    assert fast == RouteRequest(**fields)
+    assert hash(fast) == hash(RouteRequest(**fields))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.model = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError, match="needs all"):
+        RouteRequest.fast({"model": "m"})
