@@ -55,14 +55,24 @@ def http_shapes(json_header: bytes) -> list[tuple[int, ...]]:
     A regular expression, not a JSON parse: a header may carry megabytes of JSON tensor data,
     and inside a JSON string a quote is escaped, so ``"shape"`` only matches a real key.
     """
-    return [_dims(m.group(1)) for m in _SHAPE.finditer(json_header)]
+    return [
+        _memo_dims(text) if len(text) <= _MEMO_DIMS_BYTES else _dims(text)
+        for text in (m.group(1) for m in _SHAPE.finditer(json_header))
+    ]
 
 
-@functools.lru_cache(maxsize=1024)
+_MEMO_DIMS_BYTES = 64
+"""Longest shape text memoised: the memo holds client bytes, so 1024 entries of at most this
+(a shape of any real tensor is a few dozen bytes); longer ones are read each time."""
+
+
 def _dims(text: bytes) -> tuple[int, ...]:
-    # Memoised: a client sends the same few shapes over and over, and reading one took a
-    # list comprehension and two calls per dimension (cProfile, session 17).
     return tuple(int(d) for d in text.split(b",") if d.strip())
+
+
+# Memoised: a client sends the same few shapes over and over, and reading one took a list
+# comprehension and two calls per dimension (cProfile, session 17).
+_memo_dims = functools.lru_cache(maxsize=1024)(_dims)
 
 
 def grpc_shapes(request: bytes) -> list[list[int]]:

@@ -104,3 +104,15 @@ def test_shapes_no_request_could_carry_are_refused() -> None:
     assert grpc_shapes(data) == [[1 << 20, 1 << 20]]
     with pytest.raises(ProxyError):
         check_shapes(grpc_shapes(data), len(data))
+
+
+def test_only_short_shape_texts_are_memoised():
+    # The memo holds client bytes: a long shape text is read, never kept.
+    from proxy.scheduling import cost
+
+    long_dims = b",".join([b"1"] * 200)
+    before = cost._memo_dims.cache_info().currsize
+    assert http_shapes(b'{"shape":[' + long_dims + b"]}") == [(1,) * 200]
+    assert cost._memo_dims.cache_info().currsize == before
+    assert http_shapes(b'{"shape":[2, 77]}') == [(2, 77)]
+    assert cost._memo_dims.cache_info().currsize <= 1024
