@@ -187,15 +187,13 @@ def analyse(logs: Sequence[RequestLog]) -> str:
     classes = list(dict.fromkeys(c for log in logs for c in log.classes))
     for arm in arms:
         mine = [log for log in logs if log.arm == arm]
+        span = sum(_span(log) for log in mine)
         for name in classes:
             for label, tail in (("all", False), (f"slow {TAIL:.0%}", True)):
                 parts = [_class_waits(log, name, tail) for log in mine]
                 found = [w for w in parts if w is not None]
-                if not found:
-                    continue
-                w = _pool(found)
-                span = sum(_span(log) for log in mine)
-                lines.append(_row(arm, name, label, w, span))
+                if found:
+                    lines.append(_row(arm, name, label, _pool(found), span))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n\n" + anatomy(logs)
 
@@ -283,10 +281,10 @@ def _pool(parts: Sequence[Waits]) -> Waits:
 
 
 def _class_waits(log: RequestLog, name: str, tail: bool) -> Waits | None:
-    sel = _slowest(log, name) if tail else None
-    if sel is None and (tail or name not in log.classes):
+    if name not in log.classes:
         return None
-    return waits(log, sel if sel is not None else _measured(log, name))
+    sel = _slowest(log, name) if tail else _measured(log, name)
+    return None if sel is None else waits(log, sel)
 
 
 def _span(log: RequestLog) -> float:
