@@ -3,11 +3,12 @@
 
 Why not ``generate_latest``: the proxy renders its page in its event loop, so every request in
 flight waits while it does. On a page like the issue 10 benchmark's (3 instances, 3 classes,
-38 KB, 330 samples; ``benchmarks/metrics_render.py``) it took 2.6 ms on a quiet machine and
-about 5 ms on a busy one, and cProfile put 60 % of that in formatting each sample's labels
-again at every scrape (sort, validate each label name with a regular expression, escape each
-value) and 25 % in collecting: a ``Sample`` tuple and a label dict per sample, and each
-histogram bucket's bound formatted as text again. So here:
+38 KB, 333 samples; ``benchmarks/metrics_render.py``) it took 3.5 ms on a quiet machine (about
+5 ms on a busy one), and cProfile put 60 % of that in formatting each sample's labels again at
+every scrape (sort, validate each label name with a regular expression, escape each value) and
+30 % in collecting: a ``Sample`` tuple and a label dict per sample, and each histogram bucket's
+bound formatted as text again. This renders the same page in 0.67 ms (docs/benchmarks.md,
+"Session 18"). So here:
 
 - each series' text up to its value (``name{a="x",le="0.5"} ``) is kept from one scrape to
   the next, so only values are formatted per scrape. Label values come from model names and
