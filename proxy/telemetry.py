@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from proxy.exposition import Registry, render_families
 from proxy.observer import RequestRecord
 
 if TYPE_CHECKING:
@@ -65,8 +66,8 @@ class Children(Generic[M]):
 
 
 class Telemetry:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.registry = registry or Registry()
         r = self.registry
         self.requests = Counter(
             "triton_proxy_requests",
@@ -213,7 +214,7 @@ class Telemetry:
             self.registry.register(self._fleet_collector)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.registry.exposition()
 
     def watch_gc(self) -> Callable[[], None]:
         """Time every run of the cyclic collector into ``gc_pause`` until the returned function
@@ -464,14 +465,6 @@ def control_metrics(loops: ControlLoops) -> Iterator[Metric]:
     yield from (window, target, limit, deferred, dry, leader)
 
 
-class _Families(Collector):
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families
-
-
 def merge_workers(expositions: Sequence[tuple[str, str]]) -> bytes:
     """One exposition from several workers' ``(worker, text)``: each series gets ``worker``."""
     families: dict[str, Metric] = {}
@@ -486,6 +479,4 @@ def merge_workers(expositions: Sequence[tuple[str, str]]) -> bytes:
                 Sample(s.name, {**s.labels, "worker": worker}, s.value, s.timestamp, s.exemplar)
                 for s in family.samples
             ]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families.values()))
-    return generate_latest(registry)
+    return render_families(families.values())
