@@ -144,7 +144,7 @@ class Admission:
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self._ticket = await self._gate._acquire(self._class_name, self._deadline)
+        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
         return self._ticket
 
     @property
@@ -240,7 +240,9 @@ class Gate:
             self._timer.cancel()
             self._timer = None
 
-    async def _acquire(self, class_name: str, client_deadline: float | None) -> Ticket:
+    async def acquire(self, class_name: str, client_deadline: float | None = None) -> Ticket:
+        """What entering :meth:`admit`'s block does: wait for a slot, or raise :class:`Shed`.
+        The caller releases the ticket, exactly once, by any path."""
         config = self._core.config
         name = class_name if class_name in config.classes else config.default_class
         if self._closed:
