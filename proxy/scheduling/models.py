@@ -124,11 +124,13 @@ class ModelGates:
     def capacity(self, info: ModelInfo, model: str) -> int:
         """Dispatch slots of the model's gate: the sum of its instances' slots (an instance
         drained for a reload of the model counts none)."""
-        return sum(
-            self.slots(inst.name, model, info)
-            for inst in self.fleet.serving(model)
-            if model not in inst.draining
-        )
+        serving = [inst for inst in self.fleet.serving(model) if model not in inst.draining]
+        if self.adaptive is None and serving:
+            # Fixed or derived, every instance has the same slots: computed once, not once per
+            # instance (read on every admission: 2.2 -> 1.6 µs with three instances, 1.3 -> 1.2
+            # with one, `timeit`, session 18).
+            return len(serving) * self.slots(serving[0].name, model, info)
+        return sum(self.slots(inst.name, model, info) for inst in serving)
 
     def slots(self, instance: str, model: str, info: ModelInfo) -> int:
         """Requests of ``model`` that ``instance`` may hold (adaptive, or fixed/derived)."""
