@@ -476,14 +476,18 @@ class Dispatcher:
                 if not stream:
                     if trace.alone:
                         self.costs.observe_alone(call.model, call.cost, trace.inside_s)
-                    if self.admission is not None:
-                        self.admission.observe_inside(
+                    gates = self.admission
+                    if gates is not None:
+                        gates.observe_inside(
                             instance.name,
                             call.model,
                             work.class_name,
                             trace.inside_s,
                             in_flight,
-                            self.costs.batch_seconds(call.model, request.batch),
+                            # Only adaptive concurrency reads it: not computed otherwise.
+                            self.costs.batch_seconds(call.model, request.batch)
+                            if gates.adaptive is not None
+                            else None,
                         )
             except UpstreamConnectError as exc:
                 self._failed(instance, f"connection failed: {exc}", immediate=exc.refused)

@@ -15,7 +15,8 @@ waiter. A waiter whose task is cancelled (client went away) leaves the queue at 
 Queue timeouts fire from a loop timer armed for the earliest deadline; with a fake clock, call
 :meth:`Gate.poke` after advancing it. Call ``poke`` too whenever capacity may have grown
 (an instance joined, a limit was raised): the gate reads ``capacity()`` on every release and
-poke, never in between.
+poke, and on an arrival that finds nothing queued (which may then go at once), never in
+between.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Admission:
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self._ticket = await self._gate._acquire(self._class_name, self._deadline)
+        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
         return self._ticket
 
     @property
@@ -239,7 +240,9 @@ class Gate:
             self._timer.cancel()
             self._timer = None
 
-    async def _acquire(self, class_name: str, client_deadline: float | None) -> Ticket:
+    async def acquire(self, class_name: str, client_deadline: float | None = None) -> Ticket:
+        """What entering :meth:`admit`'s block does: wait for a slot, or raise :class:`Shed`.
+        The caller releases the ticket, exactly once, by any path."""
         config = self._core.config
         name = class_name if class_name in config.classes else config.default_class
         if self._closed:
@@ -254,6 +257,21 @@ class Gate:
                 self._observer.on_shed(name, ShedReason.LATE)
                 raise Shed(ShedReason.LATE, config.retry_after_s, name)
         held_to = budget_s if config.shed_late or budget.hard else None
+        if not self._pumping and not self._core.queued():
+            # Nobody waits, so nobody is passed over: dispatch at once when a slot is free,
+            # as the pump would have right after the push (ClassQueues.take), without the
+            # entry, its future and the pump's pass over the queues (admission and release
+            # 14.8-17.0 -> 7.0-7.5 µs through ModelGates, `timeit`, session 18). Nothing queued:
+            # no timer is armed.
+            capacity = max(0, self._capacity())
+            if self._core.take(name, now, capacity, max(1, self._instances())):
+                if held_to is not None and self.lateness.late(0.0, name, held_to):
+                    self._core.release(name)
+                    self._observer.on_shed(name, ShedReason.LATE)
+                    raise Shed(ShedReason.LATE, config.retry_after_s, name)
+                ticket = self._ticket(name, 0.0, now)
+                self._observer.on_dispatch(name, 0.0, ticket.order)
+                return ticket
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         result = self._core.push(future, name, now, held_to)
         for victim in result.evicted:
@@ -331,17 +349,22 @@ class Gate:
                         self._core.release(entry.class_name)
                         self._fail(entry, ShedReason.LATE)
                         continue
-                    # It was its class's oldest: the pop's limit had the depth of its wait.
-                    depth = self._core.config.classes[entry.class_name].depth(waited)
-                    ticket = Ticket(self, entry.class_name, waited, self._order, depth)
-                    self._order += 1
-                    self.lateness.on_dispatch(now)
+                    ticket = self._ticket(entry.class_name, waited, now)
                     future.set_result(ticket)
                     self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
                 again = self._pump_again
             self._arm_timer()
         finally:
             self._pumping = False
+
+    def _ticket(self, class_name: str, waited_s: float, now: float) -> Ticket:
+        """The slot just taken for a request of the class that waited ``waited_s``."""
+        # It was its class's oldest: the pop's limit had the depth of its wait.
+        depth = self._core.config.classes[class_name].depth(waited_s)
+        ticket = Ticket(self, class_name, waited_s, self._order, depth)
+        self._order += 1
+        self.lateness.on_dispatch(now)
+        return ticket
 
     def _budget(self, name: str, client_deadline: float | None, now: float) -> Budget:
         """When the request stops being worth serving: the earlier of the client's deadline

@@ -225,6 +225,45 @@ class ClassQueues(Generic[T]):
                 soonest = at
         return soonest
 
+    def take(self, class_name: str, now: float, capacity: int, instances: int = 1) -> bool:
+        """Dispatch a request of ``class_name`` (a configured class) at once, unqueued, when
+        nothing is queued and a slot is free for it; take that slot. False: only its arrival
+        was recorded; :meth:`push` it.
+
+        What :meth:`push` then :meth:`pop` would decide, without the entry: with nothing else
+        queued, the request is the only candidate, no other class holds a reservation, and its
+        oldest queued request would have waited 0 s (so :meth:`ClassConfig.depth` is the
+        shallow one either way). ``shared``: it goes when a slot is free and its class is under
+        its limit; ``by_rank``: when its class is under its limit and either short of its
+        reservation or finds a slot the classes at least as important do not hold. (A single
+        eligible class leaves the weighted round robin's counters as they were.)
+        """
+        if self._total_queued:
+            return False
+        self._arrived_at[class_name] = now
+        cls = self._config.classes[class_name]
+        held = self._in_flight.get(class_name, 0)
+        limit = cls.share_limit(
+            capacity,
+            instances,
+            self._scale.get(class_name, 1.0),
+            self._keeps_spare(class_name, now),
+            0.0,
+        )
+        if held >= limit:
+            return False
+        if self._config.slot_sharing == "by_rank":
+            if (
+                cls.reserved(capacity, instances, 0.0) <= held
+                and self._held_at_or_above(class_name) >= capacity
+            ):
+                return False
+        elif capacity <= self._total_in_flight:
+            return False
+        self._in_flight[class_name] = held + 1
+        self._total_in_flight += 1
+        return True
+
     def pop(self, now: float, capacity: int, instances: int = 1) -> Entry[T] | None:
         """Dispatch the next entry if a slot out of ``capacity`` may be used; take that slot.
 

@@ -279,3 +279,23 @@ async def test_a_ticket_carries_the_depth_its_slot_was_given_under() -> None:
     async with h.gate.admit("rt") as ticket:
         assert ticket.depth is None  # no per-instance cap
     h.gate.close()
+
+
+async def test_admission_with_a_free_slot_does_not_yield_to_the_loop(h: Harness) -> None:
+    """A cancellation asked for before admission is delivered at the first suspension inside
+    the block, and the slot is still released once."""
+    entered = []
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        async with h.gate.admit("rt") as ticket:
+            entered.append(ticket.order)
+            await asyncio.sleep(0)
+        entered.append("not reached")
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(run())
+    assert entered == [0]
+    assert h.gate.in_flight() == 0 and h.observer.completes == ["rt"]

@@ -234,3 +234,21 @@ def test_late_allows_for_a_slow_answer_when_times_inside_vary() -> None:
     # 60 ms left of a 100 ms budget: time for a steady 50 ms answer, not for a noisy one.
     assert not steady.late(0.04, "rt", 0.1)
     assert noisy.late(0.04, "rt", 0.1)
+
+
+async def test_a_request_too_late_even_unqueued_is_shed_with_a_free_slot() -> None:
+    """Nothing queued and a free slot (the gate's fast path): a client deadline shorter than a
+    slow answer still sheds it, gives the slot back and spends no dispatch order."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1, shed_late=False)
+    # No SLO, so only the client deadline binds; mean 100 ms inside, slow 200 ms (2 x 50 ms).
+    gate.lateness.observe_inside("off", 0.1)
+    with pytest.raises(Shed) as info:
+        await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
+    assert info.value.reason is ShedReason.LATE and info.value.retry_after_s == 1.0
+    assert observer.sheds == [("off", ShedReason.LATE)] and not observer.dispatches
+    assert gate.in_flight() == 0 and gate.queued() == 0
+    async with gate.admit("off", deadline=clock.now() + 0.25) as ticket:
+        assert ticket.order == 0 and ticket.waited_s == 0.0
+    assert [d.class_name for d in observer.dispatches] == ["off"]
+    gate.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 from collections import Counter
 from typing import Any
 
@@ -506,3 +508,80 @@ def test_by_rank_counts_a_dropped_class_as_the_default_class() -> None:
     q.push("r1", "rt", now=0.1)
     # The two dropped offline requests now count as online: online has no slot, real-time has.
     assert drain(q, now=0.1, capacity=2) == ["r1"]
+
+
+def _random_section(rng: random.Random) -> dict[str, Any]:
+    classes: dict[str, dict[str, Any]] = {}
+    for rank, name in enumerate(("rt", "on", "off")):
+        cls: dict[str, Any] = {"rank": rank, "queue_timeout_s": None, "weight": rng.randint(1, 4)}
+        if rng.random() < 0.5:
+            cls["min_share"] = rng.choice([0.1, 0.25])
+        if rng.random() < 0.4:
+            cls["max_share"] = rng.choice([0.3, 0.5])
+        if rng.random() < 0.3:
+            cls["max_concurrency"] = rng.randint(1, 4)
+        if rng.random() < 0.4:
+            cls["max_per_instance"] = rng.randint(2, 4)
+            if rng.random() < 0.5:
+                cls["shallow_per_instance"] = 1
+            if rank and rng.random() < 0.7:
+                cls["spare_instances"] = rng.randint(1, 2)
+        classes[name] = cls
+    return {
+        "classes": classes,
+        "default_class": "on",
+        "slot_sharing": rng.choice(["shared", "by_rank"]),
+        "dispatch": rng.choice(["strict_aging", "weighted_round_robin"]),
+    }
+
+
+def _state(q: ClassQueues[str]) -> tuple[object, ...]:
+    return (q._in_flight, q._total_in_flight, q._wrr, q._arrived_at, q.queued())
+
+
+def test_take_decides_as_push_then_pop_with_nothing_queued() -> None:
+    """The gate's fast path (ClassQueues.take) against what it stands for, in random states."""
+    outcomes = Counter(_take_against_push_and_pop(seed) for seed in range(2000))
+    assert outcomes[True] > 200 and outcomes[False] > 200  # both answers were checked
+
+
+def _take_against_push_and_pop(seed: int) -> bool:
+    rng = random.Random(seed)
+    q: ClassQueues[str] = ClassQueues(load_scheduling(_random_section(rng)))
+    now = 0.0
+    entries = []
+    for i in range(rng.randint(0, 30)):
+        now += rng.choice([0.0, 0.01, 0.5, 2.0])
+        step = rng.random()
+        if step < 0.5:
+            pushed = q.push(f"x{i}", rng.choice(["rt", "on", "off"]), now).entry
+            if pushed is not None:
+                entries.append(pushed)
+        elif step < 0.8:
+            q.pop(now, rng.randint(0, 8), rng.randint(1, 3))
+        else:
+            held = [n for n in ("rt", "on", "off") if q.in_flight(n)]
+            if held:
+                q.release(rng.choice(held))
+    if rng.random() < 0.2:  # a class dropped by a reload, still in flight
+        section = _random_section(rng)
+        del section["classes"]["off"]
+        q.reconfigure(load_scheduling(section))
+    if rng.random() < 0.3:  # the class-limit loop's factor
+        q.set_share_scale(rng.choice(list(q.config.classes)), rng.choice([0.25, 0.5]))
+    for entry in entries:
+        q.remove(entry)
+    assert q.queued() == 0
+    now += rng.choice([0.0, 0.5, 2.0])
+    capacity, instances = rng.randint(0, 8), rng.randint(1, 4)
+    name = rng.choice(list(q.config.classes))
+    pushed_q = copy.deepcopy(q, {id(q.config): q.config})  # the config is shared, frozen
+    entry = pushed_q.push("new", name, now).entry
+    assert entry is not None
+    popped = pushed_q.pop(now, capacity, instances)
+    taken = q.take(name, now, capacity, instances)
+    assert taken == (popped is entry), f"seed {seed}"
+    if not taken:
+        pushed_q.remove(entry)
+    assert _state(q) == _state(pushed_q), f"seed {seed}"
+    return taken
