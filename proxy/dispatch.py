@@ -386,9 +386,10 @@ class Dispatcher:
         HTTP before ``_once_sent``): hold slot and token for the rest of the class's mean time
         inside Triton. A request Triton dropped holds them that long for nothing: the cost of
         not knowing which."""
-        if self.admission is None:
+        gates = r.arm.admission
+        if gates is None:
             return
-        expected = self.admission.expected_inside_s(r.call.model, r.klass)
+        expected = gates.expected_inside_s(r.call.model, r.klass)
         rest = expected - (time.perf_counter() - sent_at)
         if rest > 0:
             trace.lingering = True  # from here on, its client leaving does not cut this short
@@ -476,7 +477,9 @@ class Dispatcher:
                 if not stream:
                     if trace.alone:
                         self.costs.observe_alone(call.model, call.cost, trace.inside_s)
-                    gates = self.admission
+                    # The gates that admitted it: a canary arm with classes of its own
+                    # learns from its own answers, not the main arm's.
+                    gates = r.arm.admission
                     if gates is not None:
                         gates.observe_inside(
                             instance.name,

@@ -356,3 +356,24 @@ def test_catalog_refresh_is_single_flight(proxy_on: ProxyFactory, fakes: FakeFle
     assert fetched <= len(fakes.servers), (
         f"50 concurrent first requests caused {fetched} config fetches"
     )
+
+
+def test_a_canary_with_classes_of_its_own_learns_from_its_own_answers(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    """Every request goes to the canary arm (share 1), whose classes and gates are its own:
+    the time its requests spent inside Triton feeds the canary's gates (deadline admission,
+    adaptive concurrency), and the main arm's gates, which admitted none of them, learn
+    nothing."""
+    policy = {**CLASSES, "canary": {"share": 1.0, "scheduling": CLASSES["scheduling"]}}
+    body = json.dumps(infer_doc()).encode()
+    with proxy_on(policy) as proxy:
+        port = port_of(proxy)
+        for _ in range(3):
+            r = raw(port, "POST", "/v2/models/simple/infer", offline(), body)
+            assert r.status == 200, (r.status, r.body)
+        dispatcher = proxy.runtime.dispatcher
+        canary, main = dispatcher.canary.admission, dispatcher.admission
+        assert canary is not None and main is not None and canary is not main
+        assert canary.expected_inside_s("simple", "offline") > 0
+        assert main.expected_inside_s("simple", "offline") == 0
