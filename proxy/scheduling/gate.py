@@ -132,8 +132,10 @@ class Ticket:
         self._gate._release(self)
 
 
-class Admission:
-    """``async with gate.admit(name) as ticket``: waits for a slot, releases it on exit."""
+class AdmissionBase:
+    """What every gate admission holds and how it leaves: the slot's :class:`Ticket` once
+    entered, released on exit (or earlier, by :meth:`release`). Subclasses say what entering
+    gives (:class:`Admission`: the ticket; ``ModelAdmission``: the class's Triton priority)."""
 
     __slots__ = ("_class_name", "_deadline", "_gate", "_ticket")
 
@@ -143,13 +145,11 @@ class Admission:
         self._deadline = deadline
         self._ticket: Ticket | None = None
 
-    async def __aenter__(self) -> Ticket:
-        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
-        return self._ticket
-
     @property
-    def ticket(self) -> Ticket | None:
-        return self._ticket
+    def depth(self) -> int | None:
+        """The class's per-instance cap the slot was given under (:attr:`Ticket.depth`)."""
+        ticket = self._ticket
+        return ticket.depth if ticket is not None else None
 
     async def __aexit__(
         self,
@@ -157,8 +157,23 @@ class Admission:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._ticket is not None:
-            self._ticket.release()
+        self.release()
+
+    def release(self) -> None:
+        """Free the slot now (idempotent): what leaving the ``async with`` does."""
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.release()
+
+
+class Admission(AdmissionBase):
+    """``async with gate.admit(name) as ticket``: waits for a slot, releases it on exit."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> Ticket:
+        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
+        return self._ticket
 
 
 class Gate:

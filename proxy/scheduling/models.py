@@ -9,14 +9,13 @@ wait in the proxy's class queues, where the order is ours.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 
 from proxy.clock import Clock
 from proxy.control.concurrency import AdaptiveConcurrency
 from proxy.fleet.catalog import ModelInfo
 from proxy.fleet.instances import Fleet
 from proxy.scheduling.config import SchedulingConfig
-from proxy.scheduling.gate import Gate, GateObserver, Ticket
+from proxy.scheduling.gate import AdmissionBase, Gate, GateObserver
 from proxy.scheduling.queues import ShedReason
 
 
@@ -43,50 +42,27 @@ class FanOutObserver(GateObserver):
             o.on_complete(class_name)
 
 
-class ModelAdmission:
+class ModelAdmission(AdmissionBase):
     """A gate admission that gives the class's Triton priority when it enters.
 
     A class, not an ``@asynccontextmanager``: one is entered per request, and the generator
     wrapper was 6 % of the proxy's samples under load with classes on (py-spy,
     docs/benchmarks.md). It enters the gate itself (:meth:`Gate.acquire`) rather than through
-    a :class:`~proxy.scheduling.gate.Admission`: one object and one coroutine layer less per
+    an :class:`~proxy.scheduling.gate.Admission`: one object and one coroutine layer less per
     request (session 18).
     """
 
-    __slots__ = ("_class_name", "_deadline", "_gate", "_priority", "_ticket")
+    __slots__ = ("_priority",)
 
     def __init__(
         self, gate: Gate, class_name: str, deadline: float | None, priority: int | None
     ) -> None:
-        self._gate = gate
-        self._class_name = class_name
-        self._deadline = deadline
+        super().__init__(gate, class_name, deadline)
         self._priority = priority
-        self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> int | None:
         self._ticket = await self._gate.acquire(self._class_name, self._deadline)
         return self._priority
-
-    @property
-    def depth(self) -> int | None:
-        """The class's per-instance cap the slot was given under (:attr:`Ticket.depth`)."""
-        ticket = self._ticket
-        return ticket.depth if ticket is not None else None
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Free the slot now (idempotent): what leaving the ``async with`` does."""
-        ticket = self._ticket
-        if ticket is not None:
-            ticket.release()
 
 
 class ModelGates:
