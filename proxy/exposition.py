@@ -38,7 +38,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _float_to_go_string
 
 MAX_SERIES = 4096
-"""Series texts kept per metric (as :class:`proxy.telemetry.Children`'s bound)."""
+"""Series kept per metric: texts here, label children in :class:`proxy.telemetry.Children`."""
 
 _SEPARATE = ("_created", "_gcount", "_gsum")
 """Sample suffixes ``generate_latest`` moves to a gauge family of their own after the

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from proxy.exposition import Registry, render_families
+from proxy.exposition import MAX_SERIES, Registry, render_families
 from proxy.observer import RequestRecord
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Children(Generic[M]):
     __slots__ = ("_cache", "_max", "metric")
     metric: M
 
-    def __init__(self, metric: M, max_entries: int = 4096) -> None:
+    def __init__(self, metric: M, max_entries: int = MAX_SERIES) -> None:
         self.metric = metric
         self._max = max_entries
         self._cache: dict[tuple[str, ...], M] = {}
