@@ -23,6 +23,7 @@ from proxy.frontends import admin_relay
 from proxy.frontends.grpc import GrpcFrontend
 from proxy.frontends.http import HttpFrontend
 from proxy.frontends.http_server import HttpServer
+from proxy.h2.server import H2GrpcServer
 from proxy.runtime import Runtime
 from proxy.scheduling import GateObserver
 from proxy.strict import ConfigError
@@ -84,7 +85,7 @@ class ProxyServer:
         self.telemetry.watch(self.current)
         self._http_server: HttpServer | None = None
         self._metrics_runner: web.AppRunner | None = None
-        self._grpc_server: grpc.aio.Server | None = None
+        self._grpc_server: grpc.aio.Server | H2GrpcServer | None = None
         self._admin_endpoint: admin_relay.LeaderEndpoint | None = None
         self.ports: BoundPorts | None = None
         self.watch_interval_s = watch_interval_s
@@ -204,6 +205,11 @@ class ProxyServer:
 
     async def _start_grpc(self, frontend: GrpcFrontend) -> int:
         listen = self.config.listen
+        if listen.grpc_engine == "h2":
+            h2 = frontend.h2_server(self.config.limits.max_body_bytes)
+            bound = await h2.start(listen.host, listen.grpc_port, reuse_port=self.role is not None)
+            self._grpc_server = h2
+            return bound
         server = frontend.server(
             self.config.limits.max_body_bytes, reuse_port=self.role is not None
         )

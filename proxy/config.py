@@ -36,6 +36,10 @@ class ListenConfig:
     128 overflowed when many clients connected at once, and every overflow costs the client a
     SYN retransmission (1 s, then 3 s): measured, the issue 10 benchmark's proxy arms collapsed
     to P50s of seconds at 2x load with the machine 60% idle (``TcpExtListenOverflows``)."""
+    grpc_engine: str = "h2"
+    """What speaks gRPC, to clients and to Triton: ``h2``, the proxy's own HTTP/2 relay
+    (:mod:`proxy.h2`, about a fifth of the CPU per call), or ``grpcio`` (``grpc.aio``, the
+    reference implementation). Read at start-up; a reload keeps the running one."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "metrics_port"):
@@ -44,6 +48,8 @@ class ListenConfig:
                 raise ValueError(f"{name} must be a port number (0 picks a free one)")
         if self.backlog < 1:
             raise ValueError("backlog must be >= 1")
+        if self.grpc_engine not in ("h2", "grpcio"):
+            raise ValueError("grpc_engine must be 'h2' or 'grpcio'")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import HttpUpstreams
 from proxy.frontends.admin_relay import LeaderClient
 from proxy.frontends.common import private_headers
+from proxy.h2.client import H2Upstreams
 from proxy.leadership import build_leadership
 from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
@@ -95,7 +96,8 @@ class Runtime:
             connect_timeout_s=config.limits.connect_timeout_s,
             request_timeout_s=config.limits.request_timeout_s,
         )
-        self.grpc_upstreams = GrpcUpstreams(
+        engine = H2Upstreams if config.listen.grpc_engine == "h2" else GrpcUpstreams
+        self.grpc_upstreams: GrpcUpstreams | H2Upstreams = engine(
             self.fleet,
             max_send_bytes=config.limits.max_body_bytes,
             connect_timeout_s=config.limits.connect_timeout_s,

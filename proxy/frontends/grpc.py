@@ -36,6 +36,7 @@ from proxy.frontends.common import (
 from proxy.frontends.http import HOP_BY_HOP
 from proxy.frontends.kserve_grpc import read_infer, with_parameters
 from proxy.frontends.routes import check_model_name
+from proxy.h2.server import H2GrpcServer
 from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
@@ -187,6 +188,12 @@ class GrpcFrontend:
             self.model_stream_infer
         )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def h2_server(self, max_receive_bytes: int) -> H2GrpcServer:
+        """The same handlers on the proxy's own HTTP/2 server (``listen.grpc_engine: h2``)."""
+        unary = {method_path(name): _guard(fn) for name, fn in self.unary_methods().items()}
+        streams = {method_path("ModelStreamInfer"): self.model_stream_infer}
+        return H2GrpcServer(unary, streams, max_receive_bytes=max_receive_bytes)
 
     # --- health ---------------------------------------------------------------------------
     async def server_live(self, request: bytes, context: Any) -> bytes:

@@ -1,0 +1,445 @@
+"""One HTTP/2 connection over an asyncio transport: frames in, streams, flow control.
+
+Both ends of the gRPC relay use it: :mod:`proxy.h2.server` for clients' connections and
+:mod:`proxy.h2.client` for the connection to each Triton instance. What it owns: the
+preface and SETTINGS exchange, PING answers, header blocks (HEADERS + CONTINUATION, decoded
+by :class:`~proxy.h2.wire.BlockDecoder`), both directions' flow-control windows, RST_STREAM,
+GOAWAY and the transport's write pressure. What a stream carries is its owner's business
+(:class:`StreamOwner`).
+
+A peer is not trusted: every length, window, stream id and count is checked, and a peer that
+breaks the protocol loses the connection with GOAWAY (RFC 9113 §5.4.1). Bounds: a header
+block (``MAX_HEADER_BLOCK``), queued control answers to a peer that does not read
+(``MAX_CONTROL_BACKLOG``) and resets per second (``RESETS_PER_S``, the "rapid reset" attack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from proxy.h2 import wire
+from proxy.h2.wire import H2Error
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BLOCK = 64 * 1024
+"""Largest header block accepted (HEADERS and its CONTINUATIONs), and header list size."""
+MAX_CONTROL_BACKLOG = 1 << 20
+"""Bytes of PING/SETTINGS answers queued to a peer that does not read, before it is cut off."""
+RESETS_PER_S = 200.0
+RESET_BURST = 1000.0
+CONNECTION_WINDOW = 16 << 20
+"""The receive window this end grants a whole connection (replenished as data arrives)."""
+
+
+class StreamOwner(Protocol):
+    def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None: ...
+    def on_data(self, data: bytes, end_stream: bool) -> None: ...
+    def on_reset(self, code: int) -> None: ...
+    def on_lost(self, reason: str, unprocessed: bool) -> None:
+        """The connection is gone (or GOAWAY said this stream was never processed)."""
+
+
+class Stream:
+    __slots__ = (
+        "ended",
+        "id",
+        "owner",
+        "recv_unacked",
+        "recv_window",
+        "remote_ended",
+        "send_window",
+    )
+
+    def __init__(self, stream_id: int, owner: StreamOwner, send_window: int, recv_window: int):
+        self.id = stream_id
+        self.owner = owner
+        self.send_window = send_window
+        self.recv_window = recv_window
+        self.recv_unacked = 0
+        self.ended = False
+        """Whether this end has sent END_STREAM (or RST_STREAM)."""
+        self.remote_ended = False
+        """Whether the peer has sent END_STREAM."""
+
+
+class Connection(asyncio.Protocol):
+    """The frame layer shared by both roles; subclasses decide what a new stream is."""
+
+    is_client = False
+
+    def __init__(self, *, stream_window: int, max_streams: int) -> None:
+        self.stream_window = stream_window
+        """The receive window this end grants each stream (SETTINGS_INITIAL_WINDOW_SIZE)."""
+        self.max_streams = max_streams
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, Stream] = {}
+        self.decoder = wire.BlockDecoder(MAX_HEADER_BLOCK)
+        self.peer_stream_window = wire.DEFAULT_WINDOW
+        self.peer_frame_size = wire.DEFAULT_FRAME_SIZE
+        self.peer_max_streams: int | None = None
+        self.send_window = wire.DEFAULT_WINDOW
+        self.recv_unacked = 0
+        self.closed = False
+        self.goaway_from_peer: int | None = None
+        """Last stream id the peer said it would process, once it sent GOAWAY."""
+        self.last_peer_stream = 0
+        self._buffer = b""
+        self._awaiting_preface = not self.is_client
+        self._header_block: tuple[int, bool, list[bytes], int] | None = None
+        self._window_waiters: list[asyncio.Future[None]] = []
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._reset_tokens = RESET_BURST
+        self._reset_clock = 0.0
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        settings = [
+            (wire.ENABLE_PUSH, 0),
+            (wire.MAX_CONCURRENT_STREAMS, self.max_streams),
+            (wire.INITIAL_WINDOW_SIZE, self.stream_window),
+            (wire.MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+        ]
+        opening = wire.PREFACE if self.is_client else b""
+        opening += wire.settings_frame(settings)
+        opening += wire.window_update(0, CONNECTION_WINDOW - wire.DEFAULT_WINDOW)
+        transport.write(opening)  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        reason = str(exc) if exc is not None else "Socket closed"
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.owner.on_lost(f"Connection lost: {reason}", False)
+        self._wake(self._window_waiters)
+        self._wake(self._drain_waiters)
+
+    def fail(self, code: int, message: str) -> None:
+        """End the connection for a protocol error of the peer's (GOAWAY, then close)."""
+        if self.closed or self.transport is None:
+            return
+        log.info("HTTP/2 connection error %d: %s", code, message)
+        self.transport.write(wire.goaway(self.last_peer_stream, code, message.encode()[:256]))
+        self.transport.close()
+        self.connection_lost(ConnectionError(message))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(wire.goaway(self.last_peer_stream, wire.NO_ERROR))
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake(self._drain_waiters)
+
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        waiters.clear()
+
+    async def _wait(self, waiters: list[asyncio.Future[None]]) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        await waiter
+        if self.closed:
+            raise ConnectionError("connection closed")
+
+    # --- reading --------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer + data if self._buffer else data
+        pos, end = 0, len(buf)
+        if self._awaiting_preface:
+            if end < len(wire.PREFACE):
+                if not wire.PREFACE.startswith(buf):
+                    self.fail(wire.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                self._buffer = buf
+                return
+            if not buf.startswith(wire.PREFACE):
+                self.fail(wire.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                return
+            self._awaiting_preface = False
+            pos = len(wire.PREFACE)
+        try:
+            while end - pos >= 9 and not self.closed:
+                n = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+                if n > wire.DEFAULT_FRAME_SIZE:
+                    raise H2Error(wire.FRAME_SIZE_ERROR, f"frame of {n} bytes")
+                if end - pos - 9 < n:
+                    break
+                kind, flags = buf[pos + 3], buf[pos + 4]
+                stream = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                payload = buf[pos + 9 : pos + 9 + n]
+                pos += 9 + n
+                self._frame(kind, flags, stream, payload)
+        except H2Error as exc:
+            self.fail(exc.code, str(exc))
+            return
+        self._buffer = buf[pos:]
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._header_block is not None and kind != wire.CONTINUATION:
+            raise H2Error(wire.PROTOCOL_ERROR, "header block interrupted")
+        if kind == wire.DATA:
+            self._data(flags, stream_id, payload)
+        elif kind == wire.HEADERS:
+            if stream_id == 0:
+                raise H2Error(wire.PROTOCOL_ERROR, "HEADERS on stream 0")
+            fragment = wire.unpad(flags, payload)
+            if flags & wire.PRIORITY_FLAG:
+                fragment = fragment[5:]
+            self._header_block = (stream_id, bool(flags & wire.END_STREAM), [fragment], 0)
+            self._fragment(flags, stream_id, b"")
+        elif kind == wire.CONTINUATION:
+            if self._header_block is None or self._header_block[0] != stream_id:
+                raise H2Error(wire.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            self._fragment(flags, stream_id, payload)
+        elif kind == wire.SETTINGS:
+            self._settings(flags, stream_id, payload)
+        elif kind == wire.WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == wire.PING:
+            if stream_id != 0 or len(payload) != 8:
+                raise H2Error(wire.PROTOCOL_ERROR, "malformed PING")
+            if not flags & wire.ACK:
+                self._control(wire.frame(wire.PING, wire.ACK, 0, payload))
+        elif kind == wire.RST_STREAM:
+            if stream_id == 0 or len(payload) != 4:
+                raise H2Error(wire.PROTOCOL_ERROR, "malformed RST_STREAM")
+            self._rst_stream(stream_id, int.from_bytes(payload, "big"))
+        elif kind == wire.GOAWAY:
+            if stream_id != 0 or len(payload) < 8:
+                raise H2Error(wire.PROTOCOL_ERROR, "malformed GOAWAY")
+            self._goaway(int.from_bytes(payload[:4], "big") & 0x7FFFFFFF)
+        elif kind == wire.PUSH_PROMISE:
+            raise H2Error(wire.PROTOCOL_ERROR, "PUSH_PROMISE, though push is disabled")
+        elif kind == wire.PRIORITY and len(payload) != 5:
+            raise H2Error(wire.FRAME_SIZE_ERROR, "malformed PRIORITY")
+        # Unknown frame types are ignored (RFC 9113 §4.1).
+
+    def _fragment(self, flags: int, stream_id: int, fragment: bytes) -> None:
+        assert self._header_block is not None
+        sid, end_stream, parts, size = self._header_block
+        if fragment:
+            parts.append(fragment)
+        size += len(fragment) if fragment else len(parts[0])
+        if size > MAX_HEADER_BLOCK:
+            raise H2Error(wire.ENHANCE_YOUR_CALM, f"header block over {MAX_HEADER_BLOCK} bytes")
+        if not flags & wire.END_HEADERS:
+            self._header_block = (sid, end_stream, parts, size)
+            return
+        self._header_block = None
+        headers = self.decoder.decode(parts[0] if len(parts) == 1 else b"".join(parts))
+        stream = self.streams.get(sid)
+        if stream is None:
+            self.new_stream(sid, headers, end_stream)
+        else:
+            stream.owner.on_headers(headers, end_stream)
+            self._maybe_forget(stream, end_stream)
+
+    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise H2Error(wire.PROTOCOL_ERROR, "DATA on stream 0")
+        self.recv_unacked += len(payload)
+        if self.recv_unacked > CONNECTION_WINDOW:
+            raise H2Error(wire.FLOW_CONTROL_ERROR, "connection window exceeded")
+        if self.recv_unacked >= CONNECTION_WINDOW // 2:
+            self._control(wire.window_update(0, self.recv_unacked))
+            self.recv_unacked = 0
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            self.unknown_stream(stream_id)
+            return
+        stream.recv_window -= len(payload)
+        if stream.recv_window < 0:
+            self.reset(stream, wire.FLOW_CONTROL_ERROR)
+            stream.owner.on_reset(wire.FLOW_CONTROL_ERROR)
+            return
+        end_stream = bool(flags & wire.END_STREAM)
+        stream.owner.on_data(wire.unpad(flags, payload), end_stream)
+        self._maybe_forget(stream, end_stream)
+
+    def grant(self, stream: Stream, n: int) -> None:
+        """The owner consumed ``n`` bytes of ``stream``: let the peer send that much more."""
+        stream.recv_unacked += n
+        if stream.recv_unacked >= self.stream_window // 2 and stream.id in self.streams:
+            stream.recv_window += stream.recv_unacked
+            self._control(wire.window_update(stream.id, stream.recv_unacked))
+            stream.recv_unacked = 0
+
+    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id != 0:
+            raise H2Error(wire.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & wire.ACK:
+            if payload:
+                raise H2Error(wire.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        for key, value in wire.parse_settings(payload):
+            if key == wire.INITIAL_WINDOW_SIZE:
+                if value > wire.MAX_WINDOW:
+                    raise H2Error(wire.FLOW_CONTROL_ERROR, "initial window over 2^31-1")
+                delta = value - self.peer_stream_window
+                self.peer_stream_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == wire.MAX_FRAME_SIZE:
+                if not wire.DEFAULT_FRAME_SIZE <= value < 1 << 24:
+                    raise H2Error(wire.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
+                self.peer_frame_size = value
+            elif key == wire.MAX_CONCURRENT_STREAMS:
+                self.peer_max_streams = value
+            elif key == wire.ENABLE_PUSH and value > 1:
+                raise H2Error(wire.PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
+        self._control(wire.frame(wire.SETTINGS, wire.ACK, 0))
+        self._wake(self._window_waiters)
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise H2Error(wire.FRAME_SIZE_ERROR, "malformed WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if stream_id == 0:
+            if increment == 0:
+                raise H2Error(wire.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += increment
+            if self.send_window > wire.MAX_WINDOW:
+                raise H2Error(wire.FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+        else:
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                return
+            stream.send_window += increment
+            if increment == 0 or stream.send_window > wire.MAX_WINDOW:
+                self.reset(stream, wire.FLOW_CONTROL_ERROR)
+                stream.owner.on_reset(wire.FLOW_CONTROL_ERROR)
+                return
+        self._wake(self._window_waiters)
+
+    def _rst_stream(self, stream_id: int, code: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self._reset_tokens = min(
+            RESET_BURST, self._reset_tokens + (now - self._reset_clock) * RESETS_PER_S
+        )
+        self._reset_clock = now
+        self._reset_tokens -= 1
+        if self._reset_tokens < 0:
+            raise H2Error(wire.ENHANCE_YOUR_CALM, "too many stream resets")
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None:
+            stream.ended = True
+            stream.owner.on_reset(code)
+            self._wake(self._window_waiters)
+
+    def _goaway(self, last_stream: int) -> None:
+        self.goaway_from_peer = last_stream
+        for sid, stream in list(self.streams.items()):
+            if self.is_client and sid > last_stream:
+                del self.streams[sid]
+                stream.owner.on_lost("GOAWAY received", True)
+
+    def _control(self, data: bytes) -> None:
+        """Write a control answer; a peer that makes them pile up unread is cut off."""
+        assert self.transport is not None
+        if self._paused and self.transport.get_write_buffer_size() > MAX_CONTROL_BACKLOG:
+            raise H2Error(wire.ENHANCE_YOUR_CALM, "control frames piling up unread")
+        self.transport.write(data)
+
+    def _maybe_forget(self, stream: Stream, end_stream: bool) -> None:
+        if end_stream:
+            stream.remote_ended = True
+            if stream.ended:
+                self.streams.pop(stream.id, None)
+
+    # --- for subclasses -------------------------------------------------------------------
+    def new_stream(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+        raise H2Error(wire.PROTOCOL_ERROR, f"unexpected HEADERS on stream {stream_id}")
+
+    def unknown_stream(self, stream_id: int) -> None:
+        """DATA for a stream this end has forgotten (reset, or ended both ways)."""
+        if stream_id > self.last_peer_stream and not self.is_client:
+            raise H2Error(wire.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+
+    # --- writing --------------------------------------------------------------------------
+    def open(self, stream_id: int, owner: StreamOwner) -> Stream:
+        stream = Stream(stream_id, owner, self.peer_stream_window, self.stream_window)
+        self.streams[stream_id] = stream
+        return stream
+
+    def header_frames(self, stream: Stream, block: bytes, end_stream: bool) -> bytes:
+        """HEADERS (+ CONTINUATION) frames carrying ``block``."""
+        if end_stream:
+            self.end(stream)
+        size = self.peer_frame_size
+        flags = wire.END_STREAM if end_stream else 0
+        if len(block) <= size:
+            return wire.frame(wire.HEADERS, flags | wire.END_HEADERS, stream.id, block)
+        chunks = [block[i : i + size] for i in range(0, len(block), size)]
+        out = [wire.frame(wire.HEADERS, flags, stream.id, chunks[0])]
+        for chunk in chunks[1:-1]:
+            out.append(wire.frame(wire.CONTINUATION, 0, stream.id, chunk))
+        out.append(wire.frame(wire.CONTINUATION, wire.END_HEADERS, stream.id, chunks[-1]))
+        return b"".join(out)
+
+    def data_fits(self, stream: Stream, n: int) -> bool:
+        """Whether ``n`` bytes of DATA can go now in one frame, windows and writes allowing."""
+        return (
+            not self._paused
+            and n <= self.peer_frame_size
+            and n <= stream.send_window
+            and n <= self.send_window
+        )
+
+    def data_frame(self, stream: Stream, data: bytes, end_stream: bool) -> bytes:
+        """One DATA frame that ``data_fits``; takes its bytes off both send windows."""
+        n = len(data)
+        stream.send_window -= n
+        self.send_window -= n
+        if end_stream:
+            self.end(stream)
+        return wire.frame(wire.DATA, wire.END_STREAM if end_stream else 0, stream.id, data)
+
+    def end(self, stream: Stream) -> None:
+        """This end sent END_STREAM; the stream is forgotten once the peer's side ended too."""
+        stream.ended = True
+        if stream.remote_ended:
+            self.streams.pop(stream.id, None)
+
+    async def send_data(self, stream: Stream, data: bytes, end_stream: bool) -> None:
+        """Write ``data`` as DATA frames as the peer's windows and our transport allow."""
+        view = memoryview(data)
+        while True:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            if stream.id not in self.streams:
+                raise ConnectionResetError("stream reset")
+            if self._paused:
+                await self._wait(self._drain_waiters)
+                continue
+            n = min(len(view), self.peer_frame_size, stream.send_window, self.send_window)
+            if n <= 0 and len(view):
+                await self._wait(self._window_waiters)
+                continue
+            last = n == len(view)
+            assert self.transport is not None
+            self.transport.write(self.data_frame(stream, bytes(view[:n]), end_stream and last))
+            view = view[n:]
+            if last:
+                return
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def reset(self, stream: Stream, code: int) -> None:
+        """RST_STREAM: this end abandons ``stream``."""
+        if self.streams.pop(stream.id, None) is not None:
+            stream.ended = True
+            self.write(wire.rst_stream(stream.id, code))
+            self._wake(self._window_waiters)

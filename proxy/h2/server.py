@@ -1,0 +1,442 @@
+"""gRPC server on :mod:`proxy.h2`: the proxy's ``inference.GRPCInferenceService`` endpoint.
+
+Handlers are the frontend's own (:class:`proxy.frontends.grpc.GrpcFrontend`), called as
+``grpc.aio`` calls them: a unary handler ``(request bytes, context) -> response bytes``, a
+stream handler ``(request iterator, context) -> None`` that writes answers with
+``context.write``. :class:`ServerCall` is that context (``invocation_metadata``,
+``time_remaining``, ``abort``, ``write``), so the frontend does not know which server runs it.
+
+Why not ``grpc.aio``: a bare ``grpc.aio`` relay costs 0.43 ms of CPU per call at
+concurrency 16, this one about a fifth of that (docs/benchmarks.md, session 19).
+
+Each call runs as one task, started when its request has arrived whole (unary) or at its
+headers (stream). A client's RST_STREAM or a lost connection cancels the task (and with it
+the upstream call); its deadline (``grpc-timeout``) ends it with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any, NoReturn
+
+import grpc
+
+from proxy.h2 import wire
+from proxy.h2.connection import Connection, Stream
+from proxy.h2.wire import H2Error
+
+log = logging.getLogger(__name__)
+
+UnaryHandler = Callable[[bytes, Any], Awaitable[bytes]]
+StreamHandler = Callable[[AsyncIterator[bytes], Any], Awaitable[None]]
+Metadata = Iterable[tuple[str, str | bytes]]
+
+MAX_STREAMS = 256
+"""Concurrent calls per client connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+STREAM_WINDOW = 1 << 20
+QUEUED_MESSAGES = 4
+"""Messages of a client stream read ahead of its handler before its window stops growing."""
+
+_RESPONSE_HEADERS = wire.encode_block(
+    ((b":status", b"200"), (b"content-type", b"application/grpc"))
+)
+_OK = wire.encode_block(((b"grpc-status", b"0"),))
+
+
+class Abort(Exception):
+    """Raised by :meth:`ServerCall.abort`: the call ends with this status."""
+
+    def __init__(self, code: int, details: str, trailing: Metadata = ()) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = list(trailing)
+
+
+def status_block(code: int, details: str, trailing: Metadata, *, trailers_only: bool) -> bytes:
+    fields: list[wire.Header] = []
+    if trailers_only:
+        fields += [(b":status", b"200"), (b"content-type", b"application/grpc")]
+    fields.append((b"grpc-status", str(code).encode()))
+    if details:
+        fields.append((b"grpc-message", wire.encode_message_text(details)))
+    fields += [wire.metadata_field(k, v) for k, v in trailing]
+    return wire.encode_block(fields)
+
+
+class ServerCall:
+    """One client call: the stream's owner, and the handler's ``context``."""
+
+    def __init__(
+        self,
+        conn: ServerConnection,
+        stream_id: int,
+        headers: list[wire.Header],
+        deadline: float | None,
+        unary: bool,
+        encoding: bytes | None,
+    ) -> None:
+        self.conn = conn
+        self.stream: Stream = conn.open(stream_id, self)
+        self.headers = headers
+        self.deadline = deadline
+        self.unary = unary
+        self.reader = wire.MessageReader(conn.server.max_receive_bytes, encoding)
+        self.messages: deque[bytes] = deque()
+        self.client_done = False
+        self.headers_sent = False
+        self.done = False
+        self.task: asyncio.Task[None] | None = None
+        self.expired = False
+        self._held = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._failure: Abort | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- the handler's context ------------------------------------------------------------
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        return [
+            (k.decode("latin-1"), wire.metadata_value(k, v))
+            for k, v in self.headers
+            if not k.startswith(b":")
+        ]
+
+    def time_remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Metadata = ()
+    ) -> NoReturn:
+        raise Abort(code.value[0], details, trailing_metadata)
+
+    async def write(self, message: bytes) -> None:
+        if self.done:
+            raise asyncio.InvalidStateError("the call has ended")
+        data = wire.message_prefix(len(message)) + message
+        conn, stream = self.conn, self.stream
+        head = b""
+        if not self.headers_sent:
+            self.headers_sent = True
+            head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
+        if conn.data_fits(stream, len(data)):
+            conn.write(head + conn.data_frame(stream, data, False))
+            return
+        if head:
+            conn.write(head)
+        await conn.send_data(stream, data, False)
+
+    # --- the request's messages, for a stream handler ---------------------------------------
+    def __aiter__(self) -> ServerCall:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self.messages:
+            if self._failure is not None:
+                raise self._failure
+            if self.client_done or self.done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        message = self.messages.popleft()
+        if self._held and len(self.messages) < QUEUED_MESSAGES:
+            self.conn.grant(self.stream, self._held)
+            self._held = 0
+        return message
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # --- the stream's owner (frames from the client) ----------------------------------------
+    def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None:
+        if end_stream:  # the client's trailers: gRPC has no use for them
+            self._client_ended()
+
+    def on_data(self, data: bytes, end_stream: bool) -> None:
+        if self.unary or len(self.messages) < QUEUED_MESSAGES:
+            self.conn.grant(self.stream, len(data))
+        else:
+            self._held += len(data)
+        try:
+            self.messages.extend(self.reader.feed(data))
+        except wire.MessageTooLarge as exc:
+            self._fail(Abort(wire.RESOURCE_EXHAUSTED, str(exc)))
+            return
+        except ValueError as exc:
+            self._fail(Abort(wire.INTERNAL, str(exc)))
+            return
+        if self.unary and len(self.messages) > 1:
+            self._fail(Abort(wire.UNIMPLEMENTED, "more than one request on a unary call"))
+            return
+        self._wake()
+        if end_stream:
+            self._client_ended()
+
+    def _client_ended(self) -> None:
+        self.client_done = True
+        if self.unary and self.task is None and not self.done:
+            if len(self.messages) != 1 or self.reader.partial:
+                self._fail(Abort(wire.UNIMPLEMENTED, "a unary call needs exactly one request"))
+                return
+            self.start()
+        self._wake()
+
+    def on_reset(self, code: int) -> None:
+        self._cancel()
+
+    def on_lost(self, reason: str, unprocessed: bool) -> None:
+        self._cancel()
+
+    def _cancel(self) -> None:
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.task is not None:
+            self.task.cancel()
+        self._wake()
+
+    def _fail(self, failure: Abort) -> None:
+        """A bad request: end the call with ``failure`` (the handler, if running, stops)."""
+        if self.task is None:
+            self.finish_with(failure)
+            return
+        self._failure = failure
+        self._wake()
+        if self.unary:
+            self.task.cancel()
+
+    # --- running the handler ----------------------------------------------------------------
+    def start(self) -> None:
+        handler = self.conn.server.handler_of(self)
+        self.task = asyncio.get_running_loop().create_task(self._run(handler))
+        self.conn.calls.add(self.task)
+        self.task.add_done_callback(self.conn.calls.discard)
+        if self.deadline is not None:
+            self._timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+
+    def _expire(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.expired = True
+            self.task.cancel()
+
+    async def _run(self, handler: Callable[[], Awaitable[bytes | None]]) -> None:
+        try:
+            response = await handler()
+        except Abort as failure:
+            self.finish_with(failure)
+        except asyncio.CancelledError:
+            if self.expired:
+                self.finish_with(Abort(wire.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            elif self._failure is not None:
+                self.finish_with(self._failure)
+            # Else the client reset the call or left: nobody to answer.
+        except Exception:
+            log.exception("gRPC handler failed")
+            self.finish_with(Abort(wire.UNKNOWN, "Unexpected error in the proxy"))
+        else:
+            if self._failure is not None:
+                self.finish_with(self._failure)
+            elif response is None:
+                self.finish_with(Abort(wire.OK, ""))
+            else:
+                await self._respond(response)
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    async def _respond(self, message: bytes) -> None:
+        """A unary call's answer: headers, the message and OK, in one write when they fit."""
+        conn, stream = self.conn, self.stream
+        if self.done or stream.id not in conn.streams:
+            return
+        data = wire.message_prefix(len(message)) + message
+        if not self.headers_sent and conn.data_fits(stream, len(data)):
+            self.headers_sent = True
+            conn.write(
+                conn.header_frames(stream, _RESPONSE_HEADERS, False)
+                + conn.data_frame(stream, data, False)
+                + conn.header_frames(stream, _OK, True)
+            )
+            self._ended()
+            return
+        try:
+            await self.write(message)
+        except (ConnectionError, asyncio.InvalidStateError):
+            return
+        self.finish_with(Abort(wire.OK, ""))
+
+    def finish_with(self, status: Abort) -> None:
+        """End the call with ``status`` (trailers; headers and trailers at once if no
+        message was sent)."""
+        conn, stream = self.conn, self.stream
+        if self.done or stream.id not in conn.streams:
+            self.done = True
+            return
+        block = status_block(
+            status.code, status.details, status.trailing, trailers_only=not self.headers_sent
+        )
+        self.headers_sent = True
+        conn.write(conn.header_frames(stream, block, True))
+        self._ended()
+
+    def _ended(self) -> None:
+        self.done = True
+        if not self.stream.remote_ended:
+            # Answered before the client finished sending: it need send nothing more.
+            self.conn.reset(self.stream, wire.NO_ERROR)
+
+
+class ServerConnection(Connection):
+    def __init__(self, server: H2GrpcServer) -> None:
+        super().__init__(stream_window=STREAM_WINDOW, max_streams=MAX_STREAMS)
+        self.server = server
+        self.calls: set[asyncio.Task[None]] = set()
+        self.refusing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.server.connections.discard(self)
+
+    def new_stream(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+        if stream_id % 2 == 0 or stream_id <= self.last_peer_stream:
+            raise H2Error(wire.PROTOCOL_ERROR, f"bad new stream id {stream_id}")
+        self.last_peer_stream = stream_id
+        if self.refusing or len(self.streams) >= MAX_STREAMS:
+            self.write(wire.rst_stream(stream_id, wire.REFUSED_STREAM))
+            return
+        pseudo = {k: v for k, v in headers if k.startswith(b":")}
+        method, path = pseudo.get(b":method"), pseudo.get(b":path")
+        content_type = wire.find(headers, b"content-type") or b""
+        if method is None or path is None or b":scheme" not in pseudo:
+            self.write(wire.rst_stream(stream_id, wire.PROTOCOL_ERROR))
+            return
+        if method != b"POST" or not content_type.startswith(b"application/grpc"):
+            status = b"405" if method != b"POST" else b"415"
+            stream = self.open(stream_id, _Refused())
+            if end_stream:
+                stream.remote_ended = True
+            self.write(self.header_frames(stream, wire.encode_block([(b":status", status)]), True))
+            if not stream.remote_ended:
+                self.reset(stream, wire.NO_ERROR)
+            return
+        timeout = wire.find(headers, b"grpc-timeout")
+        deadline = None
+        if timeout is not None:
+            seconds = wire.parse_timeout(timeout)
+            if seconds is not None:
+                deadline = asyncio.get_running_loop().time() + seconds
+        encoding = wire.find(headers, b"grpc-encoding")
+        if encoding == b"identity":
+            encoding = None
+        kind = self.server.kind_of(path)
+        call = ServerCall(self, stream_id, headers, deadline, kind != "stream", encoding)
+        if kind is None:
+            call.finish_with(
+                Abort(wire.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
+            )
+            return
+        if encoding not in (None, b"gzip", b"deflate"):
+            assert encoding is not None
+            call.finish_with(
+                Abort(
+                    wire.UNIMPLEMENTED,
+                    f"Compression algorithm '{encoding.decode(errors='replace')}' not supported",
+                )
+            )
+            return
+        if kind == "stream":
+            call.start()
+        if end_stream:
+            call.stream.remote_ended = True
+            call._client_ended()
+
+
+class _Refused:
+    """Owner of a stream answered at its headers (not gRPC): whatever follows is dropped."""
+
+    def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None:
+        pass
+
+    def on_data(self, data: bytes, end_stream: bool) -> None:
+        pass
+
+    def on_reset(self, code: int) -> None:
+        pass
+
+    def on_lost(self, reason: str, unprocessed: bool) -> None:
+        pass
+
+
+class H2GrpcServer:
+    """Listens for gRPC clients; ``unary`` and ``streams`` map a method's path to its handler."""
+
+    def __init__(
+        self,
+        unary: Mapping[str, UnaryHandler],
+        streams: Mapping[str, StreamHandler],
+        *,
+        max_receive_bytes: int,
+    ) -> None:
+        self.unary = {k.encode(): v for k, v in unary.items()}
+        self.streams = {k.encode(): v for k, v in streams.items()}
+        self.max_receive_bytes = max_receive_bytes
+        self.connections: set[ServerConnection] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+
+    def kind_of(self, path: bytes) -> str | None:
+        if path in self.unary:
+            return "unary"
+        if path in self.streams:
+            return "stream"
+        return None
+
+    def handler_of(self, call: ServerCall) -> Callable[[], Awaitable[bytes | None]]:
+        path = dict(call.headers)[b":path"]
+        if call.unary:
+            unary, request = self.unary[path], call.messages.popleft()
+            return lambda: unary(request, call)
+        stream = self.streams[path]
+        return lambda: stream(call, call)
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: ServerConnection(self), host, port, reuse_port=reuse_port or None
+        )
+        self._servers.append(server)
+        sock = server.sockets[0]
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bound: int = sock.getsockname()[1]
+        return bound
+
+    async def stop(self, grace: float) -> None:
+        """Stop listening, tell every client (GOAWAY), give calls ``grace`` seconds, then
+        cancel what is left and close."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.refusing = True
+            conn.write(wire.goaway(conn.last_peer_stream, wire.NO_ERROR))
+        calls = [t for conn in self.connections for t in conn.calls]
+        if calls:
+            await asyncio.wait(calls, timeout=grace)
+        for conn in list(self.connections):
+            for task in list(conn.calls):
+                task.cancel()
+        await asyncio.sleep(0)
+        for conn in list(self.connections):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers = []
