@@ -205,6 +205,11 @@ class ClientConnection(Connection):
     def unknown_stream(self, stream_id: int) -> None:
         pass  # answers to calls this end reset: dropped
 
+    def unknown_headers(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+        if stream_id % 2 == 0 or stream_id >= self.next_id:
+            super().unknown_headers(stream_id, headers, end_stream)
+        # Else the answer to a call this end reset: dropped.
+
     def headers_block(self, path: str, metadata: Metadata, timeout: float | None) -> bytes:
         static = self._static.get(path)
         if static is None:

@@ -240,7 +240,7 @@ class Connection(asyncio.Protocol):
         headers = self.decoder.decode(parts[0] if len(parts) == 1 else b"".join(parts))
         stream = self.streams.get(sid)
         if stream is None:
-            self.new_stream(sid, headers, end_stream)
+            self.unknown_headers(sid, headers, end_stream)
         else:
             stream.owner.on_headers(headers, end_stream)
             self._maybe_forget(stream, end_stream)
@@ -358,7 +358,9 @@ class Connection(asyncio.Protocol):
                 self.streams.pop(stream.id, None)
 
     # --- for subclasses -------------------------------------------------------------------
-    def new_stream(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+    def unknown_headers(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+        """HEADERS on a stream not open here: a new one (server), or one this end already
+        forgot (it reset it; the peer's frames were on their way)."""
         raise H2Error(wire.PROTOCOL_ERROR, f"unexpected HEADERS on stream {stream_id}")
 
     def unknown_stream(self, stream_id: int) -> None:

@@ -307,8 +307,10 @@ class ServerConnection(Connection):
         super().connection_lost(exc)
         self.server.connections.discard(self)
 
-    def new_stream(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
-        if stream_id % 2 == 0 or stream_id <= self.last_peer_stream:
+    def unknown_headers(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
+        if stream_id <= self.last_peer_stream:
+            return  # trailers of a call this end has answered and reset: dropped
+        if stream_id % 2 == 0:
             raise H2Error(wire.PROTOCOL_ERROR, f"bad new stream id {stream_id}")
         self.last_peer_stream = stream_id
         if self.refusing or len(self.streams) >= MAX_STREAMS:
