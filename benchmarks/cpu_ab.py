@@ -10,8 +10,9 @@ process from ``/proc``.
 The fake server's answer costs nothing to compute, so the figure is the proxy's own cost per
 request; alternating the checkouts round by round spreads a noisy machine's drift over all of
 them. Prints the median over rounds per (checkout, protocol, classes). ``--floor`` also measures a
-bare byte pipe in Python (``PIPE``, HTTP) and a bare grpc.aio relay (``GRPC_PIPE``) in front of
-the same fake server: the floor of any proxy written like this one.
+bare byte pipe in Python (``PIPE``, HTTP), a bare grpc.aio relay (``GRPC_PIPE``) and a bare
+relay on the proxy's own HTTP/2 (``H2_PIPE``) in front of the same fake server: the floor of
+any proxy written like this one.
 """
 
 from __future__ import annotations
@@ -116,6 +117,25 @@ async def main():
     server = grpc.aio.server(); server.add_generic_rpc_handlers([handler])
     port = server.add_insecure_port("127.0.0.1:0"); await server.start()
     print(port, flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+# The floor of the proxy's own HTTP/2 (proxy.h2, from this checkout): its server and its
+# client with nothing between them but one handler. What the gRPC path pays before routing.
+H2_PIPE = """
+import asyncio, sys, uvloop
+from types import SimpleNamespace
+from proxy.h2.client import H2Upstreams
+from proxy.h2.server import H2GrpcServer
+PATH = "/inference.GRPCInferenceService/ModelInfer"
+async def main():
+    inst = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc=sys.argv[1]))
+    ups = H2Upstreams(SimpleNamespace(instances={"t0": inst}), max_send_bytes=1 << 26,
+                      connect_timeout_s=2.0, request_timeout_s=None)
+    async def model_infer(request, context): return await ups.unary(inst, PATH, request, (), None)
+    server = H2GrpcServer({PATH: model_infer}, {}, max_receive_bytes=1 << 26)
+    print(await server.start("127.0.0.1", 0), flush=True)
     await asyncio.Event().wait()
 uvloop.run(main())
 """
@@ -237,13 +257,17 @@ async def measure(
 
 
 async def floor(
-    protocol: Protocol, upstream: str, seconds: float, concurrency: int = 16
+    relay: str, upstream: str, seconds: float, concurrency: int = 16
 ) -> tuple[float, float]:
-    """(req/s, CPU ms per request) of the bare relay: ``PIPE`` over HTTP (``upstream``: the
-    fake server's HTTP port), ``GRPC_PIPE`` over gRPC (its gRPC address)."""
-    script = PIPE if protocol == "http" else GRPC_PIPE
+    """(req/s, CPU ms per request) of a bare relay: ``PIPE`` over HTTP (``upstream``: the
+    fake server's HTTP port), ``GRPC_PIPE`` and ``H2_PIPE`` over gRPC (its gRPC address)."""
+    script = {"http": PIPE, "grpc": GRPC_PIPE, "h2": H2_PIPE}[relay]
+    protocol: Protocol = "http" if relay == "http" else "grpc"
     pipe = subprocess.Popen(
-        [sys.executable, "-c", script, upstream], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, upstream],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
     )
     try:
         assert pipe.stdout is not None
@@ -269,7 +293,7 @@ async def main() -> int:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="also measure a bare relay each round (HTTP byte pipe, gRPC grpc.aio relay)",
+        help="also measure bare relays each round (HTTP byte pipe; gRPC: grpc.aio, proxy.h2)",
     )
     p.add_argument("--py-spy", metavar="DIR", help="also write py-spy raw stacks of each run here")
     args = p.parse_args()
@@ -283,15 +307,12 @@ async def main() -> int:
         floors: dict[str, list[tuple[float, float]]] = {}
         for r in range(args.rounds):
             if args.floor:
-                floor_of: tuple[tuple[Protocol, str], ...] = (
-                    ("http", http_port),
-                    ("grpc", grpc_address),
-                )
-                for protocol, upstream in floor_of:
-                    got = await floor(protocol, upstream, args.seconds, args.concurrency)
-                    floors.setdefault(protocol, []).append(got)
+                floor_of = (("http", http_port), ("grpc", grpc_address), ("h2", grpc_address))
+                for relay, upstream in floor_of:
+                    got = await floor(relay, upstream, args.seconds, args.concurrency)
+                    floors.setdefault(relay, []).append(got)
                     print(
-                        f"round {r + 1} floor: {protocol} relay: {got[0]:6.0f} req/s  "
+                        f"round {r + 1} floor: {relay} relay: {got[0]:6.0f} req/s  "
                         f"{got[1]:.3f} ms/req"
                     )
             for config in args.configs.split(","):
