@@ -177,6 +177,13 @@ class UpstreamCall:
                 return
             await self._wait()
 
+    def expire(self) -> None:
+        """The call's deadline passed: Triton is told to stop, the caller gets
+        DEADLINE_EXCEEDED."""
+        if not self.done:
+            self.conn.reset(self.stream, wire.CANCEL)
+            self._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
     def cancel(self) -> None:
         if not self.done:
             self.error = rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled")
@@ -285,6 +292,12 @@ class H2Upstreams:
             )
         return target
 
+    def _open_connection(self, instance: Instance) -> ClientConnection | None:
+        entry = self._connections.get(instance.name)
+        if entry is not None and entry[1].usable and entry[0] == instance.spec.grpc:
+            return entry[1]
+        return None
+
     async def connection(self, instance: Instance) -> ClientConnection:
         target = self._target(instance)
         entry = self._connections.get(instance.name)
@@ -375,22 +388,20 @@ class H2Upstreams:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Sent message larger than max ({len(request)} vs. {self.max_send_bytes})",
                 )
-            conn = await self.connection(instance)
+            conn = self._open_connection(instance) or await self.connection(instance)
             call = conn.call(method, metadata, timeout, request)
+            # A timer, not asyncio.timeout: no task cancellation to undo on every call.
+            timer = None
+            if timeout is not None:
+                timer = asyncio.get_running_loop().call_later(timeout, call.expire)
             try:
-                if timeout is None:
-                    return await call.result()
-                try:
-                    async with asyncio.timeout(timeout):
-                        return await call.result()
-                except TimeoutError:
-                    call.cancel()
-                    raise rpc_error(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-                    ) from None
+                return await call.result()
             except asyncio.CancelledError:
                 call.cancel()  # the client went away: Triton should stop working on it too
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
         except grpc.aio.AioRpcError as exc:
             if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise UpstreamTimeoutError(exc.details() or "deadline exceeded") from exc
@@ -456,15 +467,9 @@ class _PendingStream:
             conn = await upstreams.connection(instance)
             self._call = conn.call(method, metadata, timeout, None)
             if timeout is not None:
-                self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+                self._timer = asyncio.get_running_loop().call_later(timeout, self._call.expire)
             self._ready.set()
         return self._call
-
-    def _expire(self) -> None:
-        call = self._call
-        if call is not None and not call.done:
-            call.conn.reset(call.stream, wire.CANCEL)
-            call._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     async def write(self, message: bytes) -> None:
         await (await self._get()).write(message)
