@@ -140,7 +140,7 @@ async def main():
 uvloop.run(main())
 """
 
-# py-spy comes with the dev extras, beside this interpreter
+# py-spy comes with the bench extras, beside this interpreter
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
 
 CLASSES = {

@@ -56,6 +56,27 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> UpstreamConnectError | Upstream
     return None
 
 
+def classified(exc: grpc.aio.AioRpcError, ours: bool) -> Exception:
+    """What a failed upstream call raises: ``UpstreamTimeoutError`` when the deadline that
+    passed was the proxy's own (``ours``), the transport failure behind ``exc``, or ``exc``
+    itself (Triton's status, relayed)."""
+    if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError(exc.details() or "deadline exceeded")
+    return upstream_error(exc) or exc
+
+
+def grpc_target(instance: Instance) -> str:
+    """The instance's gRPC address; a proxy error if the policy gives it none."""
+    target = instance.spec.grpc
+    if target is None:
+        raise ProxyError(
+            Code.UNAVAILABLE,
+            f"Triton instance '{instance.name}' has no gRPC address "
+            "(instances[].grpc in the policy file)",
+        )
+    return target
+
+
 def effective_timeout(client_remaining: float | None, limit: float | None) -> float | None:
     """The upstream call's timeout: the client's deadline, capped by the proxy's own limit."""
     if client_remaining is None:
@@ -100,13 +121,7 @@ class GrpcUpstreams:
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def channel(self, instance: Instance) -> grpc.aio.Channel:
-        target = instance.spec.grpc
-        if target is None:
-            raise ProxyError(
-                Code.UNAVAILABLE,
-                f"Triton instance '{instance.name}' has no gRPC address "
-                "(instances[].grpc in the policy file)",
-            )
+        target = grpc_target(instance)
         entry = self._channels.get(instance.name)
         if entry is not None and entry[0] == target:
             return entry[1]
@@ -141,12 +156,10 @@ class GrpcUpstreams:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
-            if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise UpstreamTimeoutError(exc.details() or "deadline exceeded") from exc
-            transport = upstream_error(exc)
-            if transport is not None:
-                raise transport from exc
-            raise
+            failure = classified(exc, ours)
+            if failure is exc:
+                raise
+            raise failure from exc
         return response
 
     def stream(

@@ -15,17 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
 
-from proxy.errors import Code, ProxyError
-from proxy.fleet.grpc_upstream import Metadata, effective_timeout, upstream_error
+from proxy.fleet.grpc_upstream import Metadata, classified, effective_timeout, grpc_target
 from proxy.fleet.instances import Fleet, Instance
-from proxy.fleet.upstream import RETIRE_MAX_S, UpstreamTimeoutError
+from proxy.fleet.upstream import RETIRE_MAX_S
 from proxy.h2 import wire
-from proxy.h2.connection import Connection, Stream
+from proxy.h2.connection import Connection, Inbox, Stream
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +52,10 @@ class UpstreamCall:
         self.conn = conn
         self.unary = unary
         self.stream: Stream = conn.open(conn.take_stream_id(), self)
-        self.reader = wire.MessageReader(MAX_STREAM_ID, None)
-        self.messages: deque[bytes] = deque()
+        self.inbox = Inbox(conn, self.stream, MAX_STREAM_ID, unary=unary)
         self.initial: list[wire.Header] | None = None
         self.trailers: list[wire.Header] | None = None
         self.error: grpc.aio.AioRpcError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._held = 0
 
     # --- the stream's owner ---------------------------------------------------------------
     def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None:
@@ -77,17 +72,12 @@ class UpstreamCall:
             self.conn.reset(self.stream, wire.CANCEL)  # Triton is done: stop sending
 
     def on_data(self, data: bytes, end_stream: bool) -> None:
-        if self.unary or len(self.messages) < 4:
-            self.conn.grant(self.stream, len(data))
-        else:
-            self._held += len(data)
         try:
-            self.messages.extend(self.reader.feed(data))
+            self.inbox.feed(data)
         except ValueError as exc:
             self._end(rpc_error(grpc.StatusCode.INTERNAL, f"bad message from Triton: {exc}"))
             self.conn.reset(self.stream, wire.PROTOCOL_ERROR)
             return
-        self._wake()
         if end_stream and self.trailers is None:
             self._end(rpc_error(grpc.StatusCode.INTERNAL, "Triton ended the call without a status"))
 
@@ -119,31 +109,23 @@ class UpstreamCall:
                 self.error = rpc_error(
                     _STATUS.get(code, grpc.StatusCode.UNKNOWN), message, trailing
                 )
-        self._wake(done=True)
+        self.inbox.wake()
 
     @property
     def done(self) -> bool:
         return self.trailers is not None or self.error is not None
 
-    def _wake(self, done: bool = False) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
-
     # --- the caller's side ----------------------------------------------------------------
     async def result(self) -> bytes:
         while not self.done:
-            await self._wait()
+            await self.inbox.wait()
         if self.error is not None:
             raise self.error
-        if len(self.messages) != 1:
+        if len(self.inbox.messages) != 1:
             raise rpc_error(
                 grpc.StatusCode.INTERNAL, "Triton answered a unary call without one message"
             )
-        return self.messages[0]
+        return self.inbox.take()
 
     async def write(self, message: bytes) -> None:
         if self.done:
@@ -165,17 +147,13 @@ class UpstreamCall:
 
     async def _answers(self) -> AsyncIterator[bytes]:
         while True:
-            while self.messages:
-                message = self.messages.popleft()
-                if self._held and len(self.messages) < 4:
-                    self.conn.grant(self.stream, self._held)
-                    self._held = 0
-                yield message
+            while self.inbox.messages:
+                yield self.inbox.take()
             if self.done:
                 if self.error is not None:
                     raise self.error
                 return
-            await self._wait()
+            await self.inbox.wait()
 
     def expire(self) -> None:
         """The call's deadline passed: Triton is told to stop, the caller gets
@@ -188,7 +166,7 @@ class UpstreamCall:
         if not self.done:
             self.error = rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled")
             self.conn.reset(self.stream, wire.CANCEL)
-            self._wake(done=True)
+            self.inbox.wake()
 
 
 class ClientConnection(Connection):
@@ -282,16 +260,6 @@ class H2Upstreams:
         self._connecting: dict[str, asyncio.Future[ClientConnection]] = {}
         self._retiring: set[ClientConnection] = set()
 
-    def _target(self, instance: Instance) -> str:
-        target = instance.spec.grpc
-        if target is None:
-            raise ProxyError(
-                Code.UNAVAILABLE,
-                f"Triton instance '{instance.name}' has no gRPC address "
-                "(instances[].grpc in the policy file)",
-            )
-        return target
-
     def _open_connection(self, instance: Instance) -> ClientConnection | None:
         entry = self._connections.get(instance.name)
         if entry is not None and entry[1].usable and entry[0] == instance.spec.grpc:
@@ -299,7 +267,7 @@ class H2Upstreams:
         return None
 
     async def connection(self, instance: Instance) -> ClientConnection:
-        target = self._target(instance)
+        target = grpc_target(instance)
         entry = self._connections.get(instance.name)
         if entry is not None and entry[0] == target and entry[1].usable:
             return entry[1]
@@ -403,12 +371,10 @@ class H2Upstreams:
                 if timer is not None:
                     timer.cancel()
         except grpc.aio.AioRpcError as exc:
-            if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise UpstreamTimeoutError(exc.details() or "deadline exceeded") from exc
-            transport = upstream_error(exc)
-            if transport is not None:
-                raise transport from exc
-            raise
+            failure = classified(exc, ours)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def stream(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Protocol
 
 from proxy.h2 import wire
@@ -63,6 +64,59 @@ class Stream:
         """Whether this end has sent END_STREAM (or RST_STREAM)."""
         self.remote_ended = False
         """Whether the peer has sent END_STREAM."""
+
+
+class Inbox:
+    """The gRPC messages a stream brings in, for one reader, and the window given back.
+
+    DATA is cut into messages as it arrives. A unary call's bytes are granted back at once
+    (its one message is bounded by the reader's size limit); a stream's only while fewer than
+    ``READ_AHEAD`` messages wait to be read, so a peer whose messages are not read stops
+    sending after a window's worth."""
+
+    READ_AHEAD = 4
+
+    def __init__(
+        self,
+        conn: Connection,
+        stream: Stream,
+        max_bytes: int,
+        encoding: bytes | None = None,
+        *,
+        unary: bool,
+    ) -> None:
+        self.conn = conn
+        self.stream = stream
+        self.unary = unary
+        self.reader = wire.MessageReader(max_bytes, encoding)
+        self.messages: deque[bytes] = deque()
+        self._held = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Take one DATA frame's bytes; raises ``wire.MessageTooLarge`` or ``ValueError``."""
+        if self.unary or len(self.messages) < self.READ_AHEAD:
+            self.conn.grant(self.stream, len(data))
+        else:
+            self._held += len(data)
+        self.messages.extend(self.reader.feed(data))
+        self.wake()
+
+    def take(self) -> bytes:
+        message = self.messages.popleft()
+        if self._held and len(self.messages) < self.READ_AHEAD:
+            self.conn.grant(self.stream, self._held)
+            self._held = 0
+        return message
+
+    def wake(self) -> None:
+        """Let the reader look again (a message came, or the call ended)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
 
 
 class Connection(asyncio.Protocol):

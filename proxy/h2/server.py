@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 import grpc
 
 from proxy.h2 import wire
-from proxy.h2.connection import Connection, Stream
+from proxy.h2.connection import Connection, Inbox, Stream
 from proxy.h2.wire import H2Error
 
 log = logging.getLogger(__name__)
@@ -38,8 +37,6 @@ Metadata = Iterable[tuple[str, str | bytes]]
 MAX_STREAMS = 256
 """Concurrent calls per client connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
 STREAM_WINDOW = 1 << 20
-QUEUED_MESSAGES = 4
-"""Messages of a client stream read ahead of its handler before its window stops growing."""
 
 _RESPONSE_HEADERS = wire.encode_block(
     ((b":status", b"200"), (b"content-type", b"application/grpc"))
@@ -85,15 +82,12 @@ class ServerCall:
         self.headers = headers
         self.deadline = deadline
         self.unary = unary
-        self.reader = wire.MessageReader(conn.server.max_receive_bytes, encoding)
-        self.messages: deque[bytes] = deque()
+        self.inbox = Inbox(conn, self.stream, conn.server.max_receive_bytes, encoding, unary=unary)
         self.client_done = False
         self.headers_sent = False
         self.done = False
         self.task: asyncio.Task[None] | None = None
         self.expired = False
-        self._held = 0
-        self._waiter: asyncio.Future[None] | None = None
         self._failure: Abort | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -136,22 +130,13 @@ class ServerCall:
         return self
 
     async def __anext__(self) -> bytes:
-        while not self.messages:
+        while not self.inbox.messages:
             if self._failure is not None:
                 raise self._failure
             if self.client_done or self.done:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        message = self.messages.popleft()
-        if self._held and len(self.messages) < QUEUED_MESSAGES:
-            self.conn.grant(self.stream, self._held)
-            self._held = 0
-        return message
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            await self.inbox.wait()
+        return self.inbox.take()
 
     # --- the stream's owner (frames from the client) ----------------------------------------
     def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None:
@@ -159,33 +144,28 @@ class ServerCall:
             self._client_ended()
 
     def on_data(self, data: bytes, end_stream: bool) -> None:
-        if self.unary or len(self.messages) < QUEUED_MESSAGES:
-            self.conn.grant(self.stream, len(data))
-        else:
-            self._held += len(data)
         try:
-            self.messages.extend(self.reader.feed(data))
+            self.inbox.feed(data)
         except wire.MessageTooLarge as exc:
             self._fail(Abort(wire.RESOURCE_EXHAUSTED, str(exc)))
             return
         except ValueError as exc:
             self._fail(Abort(wire.INTERNAL, str(exc)))
             return
-        if self.unary and len(self.messages) > 1:
+        if self.unary and len(self.inbox.messages) > 1:
             self._fail(Abort(wire.UNIMPLEMENTED, "more than one request on a unary call"))
             return
-        self._wake()
         if end_stream:
             self._client_ended()
 
     def _client_ended(self) -> None:
         self.client_done = True
         if self.unary and self.task is None and not self.done:
-            if len(self.messages) != 1 or self.reader.partial:
+            if len(self.inbox.messages) != 1 or self.inbox.reader.partial:
                 self._fail(Abort(wire.UNIMPLEMENTED, "a unary call needs exactly one request"))
                 return
             self.start()
-        self._wake()
+        self.inbox.wake()
 
     def on_reset(self, code: int) -> None:
         self._cancel()
@@ -199,7 +179,7 @@ class ServerCall:
             self._timer.cancel()
         if self.task is not None:
             self.task.cancel()
-        self._wake()
+        self.inbox.wake()
 
     def _fail(self, failure: Abort) -> None:
         """A bad request: end the call with ``failure`` (the handler, if running, stops)."""
@@ -207,7 +187,7 @@ class ServerCall:
             self.finish_with(failure)
             return
         self._failure = failure
-        self._wake()
+        self.inbox.wake()
         if self.unary:
             self.task.cancel()
 
@@ -405,7 +385,7 @@ class H2GrpcServer:
     def handler_of(self, call: ServerCall) -> Callable[[], Awaitable[bytes | None]]:
         path = dict(call.headers)[b":path"]
         if call.unary:
-            unary, request = self.unary[path], call.messages.popleft()
+            unary, request = self.unary[path], call.inbox.take()
             return lambda: unary(request, call)
         stream = self.streams[path]
         return lambda: stream(call, call)

@@ -164,6 +164,14 @@ async def test_a_stream_that_is_not_read_stops_its_sender(served: Any) -> None:
 # --- the client, in front of a grpc.aio server ---------------------------------------------
 
 
+def _upstreams(port: int) -> tuple[H2Upstreams, Any]:
+    """A client for one instance at ``port`` (the fleet reduced to what the client reads)."""
+    instance = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc=f"127.0.0.1:{port}"))
+    fleet: Any = SimpleNamespace(instances={"t0": instance})
+    ups = H2Upstreams(fleet, max_send_bytes=64 << 20, connect_timeout_s=1.0, request_timeout_s=None)
+    return ups, instance
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[tuple[H2Upstreams, Any, asyncio.Event]]:
     cancelled = asyncio.Event()
@@ -198,14 +206,7 @@ async def upstream() -> AsyncIterator[tuple[H2Upstreams, Any, asyncio.Event]]:
     server.add_generic_rpc_handlers([handler])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    instance = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc=f"127.0.0.1:{port}"))
-    fleet = SimpleNamespace(instances={"t0": instance})
-    ups = H2Upstreams(
-        fleet,  # type: ignore[arg-type]
-        max_send_bytes=64 << 20,
-        connect_timeout_s=2.0,
-        request_timeout_s=None,
-    )
+    ups, instance = _upstreams(port)
     try:
         yield ups, instance, cancelled
     finally:
@@ -254,15 +255,9 @@ async def test_client_transport_failures_are_classified() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    instance = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc=f"127.0.0.1:{port}"))
-    ups = H2Upstreams(
-        SimpleNamespace(instances={"t0": instance}),  # type: ignore[arg-type]
-        max_send_bytes=1 << 20,
-        connect_timeout_s=1.0,
-        request_timeout_s=None,
-    )
+    ups, instance = _upstreams(port)
     with pytest.raises(UpstreamConnectError) as refused:
-        await ups.unary(instance, SERVICE + "Echo", b"", (), None)  # type: ignore[arg-type]
+        await ups.unary(instance, SERVICE + "Echo", b"", (), None)
     assert refused.value.refused
 
     # A server that takes the request and drops the connection.
@@ -273,7 +268,7 @@ async def test_client_transport_failures_are_classified() -> None:
     server = await asyncio.start_server(drop, "127.0.0.1", port)
     try:
         with pytest.raises(UpstreamLostError):
-            await ups.unary(instance, SERVICE + "Echo", b"", (), None)  # type: ignore[arg-type]
+            await ups.unary(instance, SERVICE + "Echo", b"", (), None)
     finally:
         server.close()
         await ups.close()
@@ -308,20 +303,14 @@ async def test_answers_to_calls_the_client_gave_up_on_are_dropped() -> None:
 
     server = await asyncio.start_server(late, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    instance = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc=f"127.0.0.1:{port}"))
-    ups = H2Upstreams(
-        SimpleNamespace(instances={"t0": instance}),  # type: ignore[arg-type]
-        max_send_bytes=1 << 20,
-        connect_timeout_s=1.0,
-        request_timeout_s=None,
-    )
+    ups, instance = _upstreams(port)
     try:
-        first = ups.unary(instance, SERVICE + "Echo", b"", (), 0.1)  # type: ignore[arg-type]
+        first = ups.unary(instance, SERVICE + "Echo", b"", (), 0.1)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await first
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # On the same connection, answered after the late answer came.
-        got = await ups.unary(instance, SERVICE + "Echo", b"", (), 2.0)  # type: ignore[arg-type]
+        got = await ups.unary(instance, SERVICE + "Echo", b"", (), 2.0)
         assert got == b"ok"
     finally:
         server.close()
