@@ -32,7 +32,7 @@ MAX_CONTROL_BACKLOG = 1 << 20
 RESETS_PER_S = 200.0
 RESET_BURST = 1000.0
 CONNECTION_WINDOW = 16 << 20
-"""The receive window this end grants a whole connection (replenished as data arrives)."""
+"""The receive window this end grants a whole connection, at least."""
 
 
 class StreamOwner(Protocol):
@@ -46,6 +46,7 @@ class StreamOwner(Protocol):
 class Stream:
     __slots__ = (
         "ended",
+        "held",
         "id",
         "owner",
         "recv_unacked",
@@ -60,6 +61,8 @@ class Stream:
         self.send_window = send_window
         self.recv_window = recv_window
         self.recv_unacked = 0
+        self.held = 0
+        """Bytes received on this stream whose connection window is not given back yet."""
         self.ended = False
         """Whether this end has sent END_STREAM (or RST_STREAM)."""
         self.remote_ended = False
@@ -91,10 +94,12 @@ class Inbox:
         self.reader = wire.MessageReader(max_bytes, encoding)
         self.messages: deque[bytes] = deque()
         self._held = 0
+        self._fed = 0
         self._waiter: asyncio.Future[None] | None = None
 
     def feed(self, data: bytes) -> None:
         """Take one DATA frame's bytes; raises ``wire.MessageTooLarge`` or ``ValueError``."""
+        self._fed += len(data)
         if self.unary or len(self.messages) < self.READ_AHEAD:
             self.conn.grant(self.stream, len(data))
         else:
@@ -104,6 +109,8 @@ class Inbox:
 
     def take(self) -> bytes:
         message = self.messages.popleft()
+        self.conn.consumed(self.stream, self._fed)
+        self._fed = 0
         if self._held and len(self.messages) < self.READ_AHEAD:
             self.conn.grant(self.stream, self._held)
             self._held = 0
@@ -124,9 +131,22 @@ class Connection(asyncio.Protocol):
 
     is_client = False
 
-    def __init__(self, *, stream_window: int, max_streams: int) -> None:
+    def __init__(
+        self,
+        *,
+        stream_window: int,
+        max_streams: int,
+        connection_window: int = CONNECTION_WINDOW,
+        hold_window: bool = False,
+    ) -> None:
         self.stream_window = stream_window
         """The receive window this end grants each stream (SETTINGS_INITIAL_WINDOW_SIZE)."""
+        self.connection_window = connection_window
+        self.hold_window = hold_window
+        """Give the connection's window back only as the streams' owners consume what came
+        (``Inbox.take``) or the streams end: what one connection holds unread is bounded by
+        ``connection_window``. Off: given back as it arrives (a trusted peer's answers)."""
+        self.recv_window = connection_window
         self.max_streams = max_streams
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
@@ -160,7 +180,7 @@ class Connection(asyncio.Protocol):
         ]
         opening = wire.PREFACE if self.is_client else b""
         opening += wire.settings_frame(settings)
-        opening += wire.window_update(0, CONNECTION_WINDOW - wire.DEFAULT_WINDOW)
+        opening += wire.window_update(0, self.connection_window - wire.DEFAULT_WINDOW)
         transport.write(opening)  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -302,13 +322,15 @@ class Connection(asyncio.Protocol):
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
             raise H2Error(wire.PROTOCOL_ERROR, "DATA on stream 0")
-        self.recv_unacked += len(payload)
-        if self.recv_unacked > CONNECTION_WINDOW:
+        n = len(payload)
+        self.recv_window -= n
+        if self.recv_window < 0:
             raise H2Error(wire.FLOW_CONTROL_ERROR, "connection window exceeded")
-        if self.recv_unacked >= CONNECTION_WINDOW // 2:
-            self._control(wire.window_update(0, self.recv_unacked))
-            self.recv_unacked = 0
         stream = self.streams.get(stream_id)
+        if stream is None or not self.hold_window:
+            self._give_back(n)
+        else:
+            stream.held += n
         if stream is None:
             self.unknown_stream(stream_id)
             return
@@ -320,6 +342,26 @@ class Connection(asyncio.Protocol):
         end_stream = bool(flags & wire.END_STREAM)
         stream.owner.on_data(wire.unpad(flags, payload), end_stream)
         self._maybe_forget(stream, end_stream)
+
+    def _give_back(self, n: int) -> None:
+        self.recv_unacked += n
+        if self.recv_unacked >= self.connection_window // 2:
+            self._control(wire.window_update(0, self.recv_unacked))
+            self.recv_window += self.recv_unacked
+            self.recv_unacked = 0
+
+    def consumed(self, stream: Stream, n: int) -> None:
+        """The owner of ``stream`` has taken ``n`` bytes of it: the connection may bring more."""
+        n = min(n, stream.held)
+        if n > 0:
+            stream.held -= n
+            self._give_back(n)
+
+    def forget(self, stream: Stream) -> None:
+        """The stream is over on both sides (or reset): what it held goes back to the window."""
+        if self.streams.pop(stream.id, None) is not None and stream.held:
+            self._give_back(stream.held)
+            stream.held = 0
 
     def grant(self, stream: Stream, n: int) -> None:
         """The owner consumed ``n`` bytes of ``stream``: let the peer send that much more."""
@@ -385,8 +427,9 @@ class Connection(asyncio.Protocol):
         self._reset_tokens -= 1
         if self._reset_tokens < 0:
             raise H2Error(wire.ENHANCE_YOUR_CALM, "too many stream resets")
-        stream = self.streams.pop(stream_id, None)
+        stream = self.streams.get(stream_id)
         if stream is not None:
+            self.forget(stream)
             stream.ended = True
             stream.owner.on_reset(code)
             self._wake(self._window_waiters)
@@ -395,7 +438,7 @@ class Connection(asyncio.Protocol):
         self.goaway_from_peer = last_stream
         for sid, stream in list(self.streams.items()):
             if self.is_client and sid > last_stream:
-                del self.streams[sid]
+                self.forget(stream)
                 stream.owner.on_lost("GOAWAY received", True)
 
     def _control(self, data: bytes) -> None:
@@ -409,7 +452,7 @@ class Connection(asyncio.Protocol):
         if end_stream:
             stream.remote_ended = True
             if stream.ended:
-                self.streams.pop(stream.id, None)
+                self.forget(stream)
 
     # --- for subclasses -------------------------------------------------------------------
     def unknown_headers(self, stream_id: int, headers: list[wire.Header], end_stream: bool) -> None:
@@ -465,7 +508,7 @@ class Connection(asyncio.Protocol):
         """This end sent END_STREAM; the stream is forgotten once the peer's side ended too."""
         stream.ended = True
         if stream.remote_ended:
-            self.streams.pop(stream.id, None)
+            self.forget(stream)
 
     async def send_data(self, stream: Stream, data: bytes, end_stream: bool) -> None:
         """Write ``data`` as DATA frames as the peer's windows and our transport allow."""
@@ -495,7 +538,8 @@ class Connection(asyncio.Protocol):
 
     def reset(self, stream: Stream, code: int) -> None:
         """RST_STREAM: this end abandons ``stream``."""
-        if self.streams.pop(stream.id, None) is not None:
+        if stream.id in self.streams:
+            self.forget(stream)
             stream.ended = True
             self.write(wire.rst_stream(stream.id, code))
             self._wake(self._window_waiters)

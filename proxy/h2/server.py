@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import grpc
 
 from proxy.h2 import wire
-from proxy.h2.connection import Connection, Inbox, Stream
+from proxy.h2.connection import CONNECTION_WINDOW, Connection, Inbox, Stream
 from proxy.h2.wire import H2Error
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,13 @@ class ServerCall:
 
 class ServerConnection(Connection):
     def __init__(self, server: H2GrpcServer) -> None:
-        super().__init__(stream_window=STREAM_WINDOW, max_streams=MAX_STREAMS)
+        super().__init__(
+            stream_window=STREAM_WINDOW,
+            max_streams=MAX_STREAMS,
+            # Room for one whole message of the largest size, and no more, held unread.
+            connection_window=max(CONNECTION_WINDOW, server.max_receive_bytes + (1 << 20)),
+            hold_window=True,
+        )
         self.server = server
         self.calls: set[asyncio.Task[None]] = set()
         self.refusing = False

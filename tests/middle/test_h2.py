@@ -4,6 +4,7 @@ the client; and hostile bytes on a raw socket, which must cost the sender its co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Iterator
@@ -334,8 +335,15 @@ async def _goaway_after(port: int, payload: bytes, preface: bool = True) -> int 
     """What the server answers ``payload`` with: its GOAWAY code (None if it did not send
     one), having also closed the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write((wire.PREFACE + wire.settings_frame(()) if preface else b"") + payload)
-    await writer.drain()
+
+    async def send() -> None:
+        data = (wire.PREFACE + wire.settings_frame(()) if preface else b"") + payload
+        with contextlib.suppress(ConnectionError):
+            for i in range(0, len(data), 1 << 16):  # read meanwhile: the server may cut us off
+                writer.write(data[i : i + (1 << 16)])
+                await writer.drain()
+
+    sending = asyncio.create_task(send())
     data = b""
     try:
         async with asyncio.timeout(5):
@@ -343,6 +351,7 @@ async def _goaway_after(port: int, payload: bytes, preface: bool = True) -> int 
                 data += chunk
     except ConnectionResetError:
         pass
+    await sending
     writer.close()
     codes = [struct.unpack(">I", p[4:8])[0] for k, _, _, p in _frames(data) if k == wire.GOAWAY]
     return codes[0] if codes else None
@@ -382,6 +391,28 @@ async def test_protocol_abuse_costs_the_connection() -> None:
         assert await _goaway_after(port, window) == wire.FLOW_CONTROL_ERROR
         bad_hpack = wire.frame(wire.HEADERS, wire.END_HEADERS, 1, b"\xff\xff\xff\xff")
         assert await _goaway_after(port, bad_hpack) == wire.COMPRESSION_ERROR
+    finally:
+        await server.stop(1.0)
+
+
+async def test_unfinished_messages_cannot_fill_the_servers_memory() -> None:
+    """Many calls that each send part of a large message and never finish it: the server
+    gives the connection's window back only as messages are handed over, so a client that
+    sends past the window it was given is cut off instead of being buffered."""
+    server, port = await _server(Seen(asyncio.Event(), []))
+    try:
+        window = server.max_receive_bytes + (1 << 20)
+        chunk = wire.frame(wire.DATA, 0, 0, bytes(16_000))[9:]
+        partial = []
+        for stream in range(1, 2 * 24, 2):  # 24 calls x 1 MB, each within its stream window
+            data = wire.message_prefix(8 << 20) + b"".join(chunk for _ in range(62))
+            partial.append(_request_headers(stream))
+            partial += [
+                wire.frame(wire.DATA, 0, stream, data[i : i + 16_000])
+                for i in range(0, len(data), 16_000)
+            ]
+        assert sum(len(p) for p in partial) > window
+        assert await _goaway_after(port, b"".join(partial)) == wire.FLOW_CONTROL_ERROR
     finally:
         await server.stop(1.0)
 
