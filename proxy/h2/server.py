@@ -20,7 +20,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -87,6 +87,7 @@ class ServerCall:
         self.headers_sent = False
         self.done = False
         self.task: asyncio.Task[None] | None = None
+        self.handler: UnaryHandler | StreamHandler | None = None
         self.expired = False
         self._failure: Abort | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -193,8 +194,7 @@ class ServerCall:
 
     # --- running the handler ----------------------------------------------------------------
     def start(self) -> None:
-        handler = self.conn.server.handler_of(self)
-        self.task = asyncio.get_running_loop().create_task(self._run(handler))
+        self.task = asyncio.get_running_loop().create_task(self._run())
         self.conn.calls.add(self.task)
         self.task.add_done_callback(self.conn.calls.discard)
         if self.deadline is not None:
@@ -205,9 +205,14 @@ class ServerCall:
             self.expired = True
             self.task.cancel()
 
-    async def _run(self, handler: Callable[[], Awaitable[bytes | None]]) -> None:
+    async def _run(self) -> None:
         try:
-            response = await handler()
+            if self.unary:
+                unary = cast(UnaryHandler, self.handler)
+                response: bytes | None = await unary(self.inbox.take(), self)
+            else:
+                await cast(StreamHandler, self.handler)(self, self)
+                response = None
         except Abort as failure:
             self.finish_with(failure)
         except asyncio.CancelledError:
@@ -302,10 +307,10 @@ class ServerConnection(Connection):
         if self.refusing or len(self.streams) >= MAX_STREAMS:
             self.write(wire.rst_stream(stream_id, wire.REFUSED_STREAM))
             return
-        pseudo = {k: v for k, v in headers if k.startswith(b":")}
-        method, path = pseudo.get(b":method"), pseudo.get(b":path")
-        content_type = wire.find(headers, b"content-type") or b""
-        if method is None or path is None or b":scheme" not in pseudo:
+        fields = dict(headers)
+        method, path = fields.get(b":method"), fields.get(b":path")
+        content_type = fields.get(b"content-type", b"")
+        if method is None or path is None or b":scheme" not in fields:
             self.write(wire.rst_stream(stream_id, wire.PROTOCOL_ERROR))
             return
         if method != b"POST" or not content_type.startswith(b"application/grpc"):
@@ -317,18 +322,19 @@ class ServerConnection(Connection):
             if not stream.remote_ended:
                 self.reset(stream, wire.NO_ERROR)
             return
-        timeout = wire.find(headers, b"grpc-timeout")
+        timeout = fields.get(b"grpc-timeout")
         deadline = None
         if timeout is not None:
             seconds = wire.parse_timeout(timeout)
             if seconds is not None:
                 deadline = asyncio.get_running_loop().time() + seconds
-        encoding = wire.find(headers, b"grpc-encoding")
+        encoding = fields.get(b"grpc-encoding")
         if encoding == b"identity":
             encoding = None
-        kind = self.server.kind_of(path)
-        call = ServerCall(self, stream_id, headers, deadline, kind != "stream", encoding)
-        if kind is None:
+        route = self.server.routes.get(path)
+        unary = route is None or route[0]
+        call = ServerCall(self, stream_id, headers, deadline, unary, encoding)
+        if route is None:
             call.finish_with(
                 Abort(wire.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
             )
@@ -342,7 +348,8 @@ class ServerConnection(Connection):
                 )
             )
             return
-        if kind == "stream":
+        call.handler = route[1]
+        if not unary:
             call.start()
         if end_stream:
             call.stream.remote_ended = True
@@ -375,26 +382,14 @@ class H2GrpcServer:
         *,
         max_receive_bytes: int,
     ) -> None:
-        self.unary = {k.encode(): v for k, v in unary.items()}
-        self.streams = {k.encode(): v for k, v in streams.items()}
+        self.routes: dict[bytes, tuple[bool, UnaryHandler | StreamHandler]] = {
+            **{k.encode(): (True, v) for k, v in unary.items()},
+            **{k.encode(): (False, v) for k, v in streams.items()},
+        }
+        """A method's path -> (whether it is unary, its handler)."""
         self.max_receive_bytes = max_receive_bytes
         self.connections: set[ServerConnection] = set()
         self._servers: list[asyncio.AbstractServer] = []
-
-    def kind_of(self, path: bytes) -> str | None:
-        if path in self.unary:
-            return "unary"
-        if path in self.streams:
-            return "stream"
-        return None
-
-    def handler_of(self, call: ServerCall) -> Callable[[], Awaitable[bytes | None]]:
-        path = dict(call.headers)[b":path"]
-        if call.unary:
-            unary, request = self.unary[path], call.inbox.take()
-            return lambda: unary(request, call)
-        stream = self.streams[path]
-        return lambda: stream(call, call)
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
         loop = asyncio.get_running_loop()
