@@ -71,7 +71,7 @@ class UpstreamCall:
         if not self.stream.ended:
             self.conn.reset(self.stream, wire.CANCEL)  # Triton is done: stop sending
 
-    def on_data(self, data: bytes, end_stream: bool) -> None:
+    def on_data(self, data: wire.View, end_stream: bool) -> None:
         try:
             self.inbox.feed(data)
         except ValueError as exc:
@@ -130,12 +130,11 @@ class UpstreamCall:
     async def write(self, message: bytes) -> None:
         if self.done:
             raise asyncio.InvalidStateError("the call has ended")
-        data = wire.message_prefix(len(message)) + message
         conn, stream = self.conn, self.stream
-        if conn.data_fits(stream, len(data)):
-            conn.write(conn.data_frame(stream, data, False))
+        if conn.message_fits(stream, message):
+            conn.write_all(conn.message_frame(stream, message, False))
         else:
-            await conn.send_data(stream, data, False)
+            await conn.send_data(stream, wire.message_prefix(len(message)) + message, False)
 
     async def done_writing(self) -> None:
         if self.done or self.stream.ended:
@@ -226,11 +225,12 @@ class ClientConnection(Connection):
         if message is None:
             self.write(block)
             return call
-        data = wire.message_prefix(len(message)) + message
-        if self.data_fits(call.stream, len(data)):
-            self.write(block + self.data_frame(call.stream, data, True))
+        if self.message_fits(call.stream, message):
+            frame, body = self.message_frame(call.stream, message, True)
+            self.write_all([block + frame, body])
         else:
             self.write(block)
+            data = wire.message_prefix(len(message)) + message
             task = asyncio.get_running_loop().create_task(self.send_data(call.stream, data, True))
             task.add_done_callback(_ignore_failure)
         return call

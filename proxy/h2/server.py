@@ -113,18 +113,18 @@ class ServerCall:
     async def write(self, message: bytes) -> None:
         if self.done:
             raise asyncio.InvalidStateError("the call has ended")
-        data = wire.message_prefix(len(message)) + message
         conn, stream = self.conn, self.stream
         head = b""
         if not self.headers_sent:
             self.headers_sent = True
             head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
-        if conn.data_fits(stream, len(data)):
-            conn.write(head + conn.data_frame(stream, data, False))
+        if conn.message_fits(stream, message):
+            frame, body = conn.message_frame(stream, message, False)
+            conn.write_all([head + frame, body])
             return
         if head:
             conn.write(head)
-        await conn.send_data(stream, data, False)
+        await conn.send_data(stream, wire.message_prefix(len(message)) + message, False)
 
     # --- the request's messages, for a stream handler ---------------------------------------
     def __aiter__(self) -> ServerCall:
@@ -144,7 +144,7 @@ class ServerCall:
         if end_stream:  # the client's trailers: gRPC has no use for them
             self._client_ended()
 
-    def on_data(self, data: bytes, end_stream: bool) -> None:
+    def on_data(self, data: wire.View, end_stream: bool) -> None:
         try:
             self.inbox.feed(data)
         except wire.MessageTooLarge as exc:
@@ -240,14 +240,11 @@ class ServerCall:
         conn, stream = self.conn, self.stream
         if self.done or stream.id not in conn.streams:
             return
-        data = wire.message_prefix(len(message)) + message
-        if not self.headers_sent and conn.data_fits(stream, len(data)):
+        if not self.headers_sent and conn.message_fits(stream, message):
             self.headers_sent = True
-            conn.write(
-                conn.header_frames(stream, _RESPONSE_HEADERS, False)
-                + conn.data_frame(stream, data, False)
-                + conn.header_frames(stream, _OK, True)
-            )
+            head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
+            frame, body = conn.message_frame(stream, message, False)
+            conn.write_all([head + frame, body, conn.header_frames(stream, _OK, True)])
             self._ended()
             return
         try:
@@ -362,7 +359,7 @@ class _Refused:
     def on_headers(self, headers: list[wire.Header], end_stream: bool) -> None:
         pass
 
-    def on_data(self, data: bytes, end_stream: bool) -> None:
+    def on_data(self, data: wire.View, end_stream: bool) -> None:
         pass
 
     def on_reset(self, code: int) -> None:

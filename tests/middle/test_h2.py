@@ -375,8 +375,8 @@ async def test_protocol_abuse_costs_the_connection() -> None:
         assert await _goaway_after(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(20), False) == (
             wire.PROTOCOL_ERROR
         )
-        oversized = b"\x00\x50\x00" + bytes((wire.DATA, 0)) + (1).to_bytes(4, "big")
-        assert await _goaway_after(port, oversized + bytes(0x5000)) == wire.FRAME_SIZE_ERROR
+        oversized = b"\x20\x00\x00" + bytes((wire.DATA, 0)) + (1).to_bytes(4, "big")
+        assert await _goaway_after(port, oversized) == wire.FRAME_SIZE_ERROR  # 2 MiB
         flood = _request_headers(1, end_headers=False) + b"".join(
             wire.frame(wire.CONTINUATION, 0, 1, bytes(16_000)) for _ in range(8)
         )
