@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -256,6 +258,24 @@ async def measure(
     return len(lat) / secs, 1000.0 * (after - before) / max(1, len(lat))
 
 
+@contextlib.contextmanager
+def script_process(script: str, *argv: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Run one of the scripts above (this checkout importable) and yield it with the first
+    line it prints (its ports); it is killed on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc, proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def floor(
     relay: str, upstream: str, seconds: float, concurrency: int = 16
 ) -> tuple[float, float]:
@@ -263,24 +283,13 @@ async def floor(
     fake server's HTTP port), ``GRPC_PIPE`` and ``H2_PIPE`` over gRPC (its gRPC address)."""
     script = {"http": PIPE, "grpc": GRPC_PIPE, "h2": H2_PIPE}[relay]
     protocol: Protocol = "http" if relay == "http" else "grpc"
-    pipe = subprocess.Popen(
-        [sys.executable, "-c", script, upstream],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
-    )
-    try:
-        assert pipe.stdout is not None
-        port = pipe.stdout.readline().strip()
+    with script_process(script, upstream) as (pipe, port):
         address = f"http://127.0.0.1:{port}" if protocol == "http" else f"127.0.0.1:{port}"
         target = ClosedTarget(protocol, (address,))
         request = SimpleRequest(api_key=None)
         return await measure(
             target, request, pipe.pid, seconds, concurrency, f"the {protocol} pipe"
         )
-    finally:
-        pipe.kill()
-        pipe.wait()
 
 
 async def main() -> int:
@@ -298,10 +307,8 @@ async def main() -> int:
     p.add_argument("--py-spy", metavar="DIR", help="also write py-spy raw stacks of each run here")
     args = p.parse_args()
     trees = [Path(t).resolve() for t in args.trees]
-    fake = subprocess.Popen([sys.executable, "-c", FAKE], stdout=subprocess.PIPE, text=True)
-    try:
-        assert fake.stdout is not None
-        http_port, grpc_port = fake.stdout.readline().split()
+    with script_process(FAKE) as (_, ports):
+        http_port, grpc_port = ports.split()
         http, grpc_address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         floors: dict[str, list[tuple[float, float]]] = {}
@@ -342,9 +349,6 @@ async def main() -> int:
             cpu = statistics.median(c for _, c in runs)
             rps = statistics.median(x for x, _ in runs)
             print(f"  {relay} relay    {cpu:.3f} ({rps:.0f})")
-    finally:
-        fake.kill()
-        fake.wait()
     return 0
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,37 +63,21 @@ async def main() -> int:
     p.add_argument("sizes", nargs="+", type=int, help="tensor bytes per request (< 4 MiB)")
     p.add_argument("--seconds", type=float, default=4.0)
     args = p.parse_args()
-    fake = subprocess.Popen([sys.executable, "-c", cpu_ab.FAKE], stdout=subprocess.PIPE, text=True)
-    try:
-        assert fake.stdout is not None
-        upstream = f"127.0.0.1:{fake.stdout.readline().split()[1]}"
+    with cpu_ab.script_process(cpu_ab.FAKE) as (_, ports):
+        upstream = f"127.0.0.1:{ports.split()[1]}"
         for size in args.sizes:
             body = request(size)
             direct = await rate(upstream, body, args.seconds)
             print(f"{size:>9} B  direct {direct:6.0f} calls/s")
             for name, script in (("grpc.aio", cpu_ab.GRPC_PIPE), ("proxy.h2", cpu_ab.H2_PIPE)):
-                relay = subprocess.Popen(
-                    [sys.executable, "-c", script, upstream],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    env={**os.environ, "PYTHONPATH": str(cpu_ab.HERE)},
-                )
-                try:
-                    assert relay.stdout is not None
-                    address = f"127.0.0.1:{relay.stdout.readline().strip()}"
+                with cpu_ab.script_process(script, upstream) as (relay, port):
+                    address = f"127.0.0.1:{port}"
                     await rate(address, body, 1.0)
                     before = cpu_ab.thread_cpu_s(relay.pid)
                     calls = await rate(address, body, args.seconds)
-                    cpu_ms = (
-                        1000 * (cpu_ab.thread_cpu_s(relay.pid) - before) / (calls * args.seconds)
-                    )
+                    spent = cpu_ab.thread_cpu_s(relay.pid) - before
+                    cpu_ms = 1000 * spent / (calls * args.seconds)
                     print(f"{'':>11}  {name:<9} {calls:6.0f} calls/s  {cpu_ms:.2f} ms CPU per call")
-                finally:
-                    relay.kill()
-                    relay.wait()
-    finally:
-        fake.kill()
-        fake.wait()
     return 0
 
 
