@@ -114,6 +114,8 @@ def _hpack_int(n: int, prefix_bits: int) -> bytes:
 
 _FIELD_CACHE: dict[Header, bytes] = {}
 _FIELD_CACHE_MAX = 1024
+_FIELD_CACHE_VALUE = 128
+"""Longest value remembered: the cache may hold client metadata, so 1024 small entries."""
 
 
 def encode_field(name: bytes, value: bytes) -> bytes:
@@ -127,7 +129,7 @@ def encode_field(name: bytes, value: bytes) -> bytes:
     got = _FIELD_CACHE.get(key)
     if got is None:
         got = b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
-        if len(_FIELD_CACHE) < _FIELD_CACHE_MAX:
+        if len(_FIELD_CACHE) < _FIELD_CACHE_MAX and len(value) <= _FIELD_CACHE_VALUE:
             _FIELD_CACHE[key] = got
     return got
 
@@ -146,6 +148,9 @@ class BlockDecoder:
     """
 
     CACHED_BLOCKS = 64
+    CACHED_BLOCK_BYTES = 512
+    """Largest block remembered (an indexed request's block is tens of bytes): per connection
+    the memory holds at most 64 blocks of this size, each decoding to at most 4 KiB."""
 
     def __init__(self, max_header_list_size: int) -> None:
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
@@ -163,11 +168,13 @@ class BlockDecoder:
         except HPACKError as exc:
             raise H2Error(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
         after = (len(entries), entries[0] if entries else None, self._table.maxsize)
-        if after[0] == before[0] and after[1] is before[1] and after[2] == before[2]:
+        unchanged = after[0] == before[0] and after[1] is before[1] and after[2] == before[2]
+        small = len(block) <= self.CACHED_BLOCK_BYTES
+        if unchanged and small and sum(len(k) + len(v) for k, v in headers) <= 4096:
             if len(self._known) >= self.CACHED_BLOCKS:
                 self._known.clear()
             self._known[block] = headers
-        else:
+        elif not unchanged:
             self._known.clear()
         return headers
 
@@ -220,9 +227,10 @@ def metadata_value(name: bytes, value: bytes) -> str | bytes:
 
 
 def metadata_field(name: str, value: str | bytes) -> Header:
+    # Names and values came off the wire as latin-1 (invocation_metadata): back as they were.
     if isinstance(value, bytes):
-        return name.encode("ascii"), base64.b64encode(value).rstrip(b"=")
-    return name.encode("ascii"), value.encode("latin-1")
+        return name.encode("latin-1"), base64.b64encode(value).rstrip(b"=")
+    return name.encode("latin-1"), value.encode("latin-1")
 
 
 def message_prefix(length: int, compressed: bool = False) -> bytes:
