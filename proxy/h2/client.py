@@ -130,11 +130,7 @@ class UpstreamCall:
     async def write(self, message: bytes) -> None:
         if self.done:
             raise asyncio.InvalidStateError("the call has ended")
-        conn, stream = self.conn, self.stream
-        if conn.message_fits(stream, message):
-            conn.write_all(conn.message_frame(stream, message, False))
-        else:
-            await conn.send_data(stream, wire.message_prefix(len(message)) + message, False)
+        await self.conn.send_message(self.stream, message, False)
 
     async def done_writing(self) -> None:
         if self.done or self.stream.ended:
@@ -229,9 +225,10 @@ class ClientConnection(Connection):
             frame, body = self.message_frame(call.stream, message, True)
             self.write_all([block + frame, body])
         else:
+            # The headers now: a stream's HEADERS must go out in the order of its id.
             self.write(block)
-            data = wire.message_prefix(len(message)) + message
-            task = asyncio.get_running_loop().create_task(self.send_data(call.stream, data, True))
+            sending = self.send_message(call.stream, message, True)
+            task = asyncio.get_running_loop().create_task(sending)
             task.add_done_callback(_ignore_failure)
         return call
 

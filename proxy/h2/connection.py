@@ -159,7 +159,6 @@ class Connection(asyncio.Protocol):
         self.decoder = wire.BlockDecoder(MAX_HEADER_BLOCK)
         self.peer_stream_window = wire.DEFAULT_WINDOW
         self.peer_frame_size = wire.DEFAULT_FRAME_SIZE
-        self.peer_max_streams: int | None = None
         self.send_window = wire.DEFAULT_WINDOW
         self.recv_unacked = 0
         self.closed = False
@@ -294,12 +293,12 @@ class Connection(asyncio.Protocol):
             fragment = bytes(wire.unpad(flags, payload))
             if flags & wire.PRIORITY_FLAG:
                 fragment = fragment[5:]
-            self._header_block = (stream_id, bool(flags & wire.END_STREAM), [fragment], 0)
-            self._fragment(flags, stream_id, b"")
+            self._header_block = (stream_id, bool(flags & wire.END_STREAM), [], 0)
+            self._fragment(flags, fragment)
         elif kind == wire.CONTINUATION:
             if self._header_block is None or self._header_block[0] != stream_id:
                 raise H2Error(wire.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-            self._fragment(flags, stream_id, bytes(payload))
+            self._fragment(flags, bytes(payload))
         elif kind == wire.SETTINGS:
             self._settings(flags, stream_id, payload)
         elif kind == wire.WINDOW_UPDATE:
@@ -323,12 +322,11 @@ class Connection(asyncio.Protocol):
             raise H2Error(wire.FRAME_SIZE_ERROR, "malformed PRIORITY")
         # Unknown frame types are ignored (RFC 9113 §4.1).
 
-    def _fragment(self, flags: int, stream_id: int, fragment: bytes) -> None:
+    def _fragment(self, flags: int, fragment: bytes) -> None:
         assert self._header_block is not None
         sid, end_stream, parts, size = self._header_block
-        if fragment:
-            parts.append(fragment)
-        size += len(fragment) if fragment else len(parts[0])
+        parts.append(fragment)
+        size += len(fragment)
         if size > MAX_HEADER_BLOCK:
             raise H2Error(wire.ENHANCE_YOUR_CALM, f"header block over {MAX_HEADER_BLOCK} bytes")
         if not flags & wire.END_HEADERS:
@@ -351,17 +349,17 @@ class Connection(asyncio.Protocol):
         if self.recv_window < 0:
             raise H2Error(wire.FLOW_CONTROL_ERROR, "connection window exceeded")
         stream = self.streams.get(stream_id)
-        if stream is None or not self.hold_window:
-            self._give_back(n)
-        else:
-            stream.held += n
         if stream is None:
+            self._give_back(n)
             self.unknown_stream(stream_id)
             return
-        stream.recv_window -= len(payload)
+        if self.hold_window:
+            stream.held += n
+        else:
+            self._give_back(n)
+        stream.recv_window -= n
         if stream.recv_window < 0:
-            self.reset(stream, wire.FLOW_CONTROL_ERROR)
-            stream.owner.on_reset(wire.FLOW_CONTROL_ERROR)
+            self._abandon(stream, wire.FLOW_CONTROL_ERROR)
             return
         end_stream = bool(flags & wire.END_STREAM)
         stream.owner.on_data(wire.unpad(flags, payload), end_stream)
@@ -414,8 +412,6 @@ class Connection(asyncio.Protocol):
                 if not wire.DEFAULT_FRAME_SIZE <= value < 1 << 24:
                     raise H2Error(wire.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
                 self.peer_frame_size = value
-            elif key == wire.MAX_CONCURRENT_STREAMS:
-                self.peer_max_streams = value
             elif key == wire.ENABLE_PUSH and value > 1:
                 raise H2Error(wire.PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
         self._control(wire.frame(wire.SETTINGS, wire.ACK, 0))
@@ -437,8 +433,7 @@ class Connection(asyncio.Protocol):
                 return
             stream.send_window += increment
             if increment == 0 or stream.send_window > wire.MAX_WINDOW:
-                self.reset(stream, wire.FLOW_CONTROL_ERROR)
-                stream.owner.on_reset(wire.FLOW_CONTROL_ERROR)
+                self._abandon(stream, wire.FLOW_CONTROL_ERROR)
                 return
         self._wake(self._window_waiters)
 
@@ -519,14 +514,18 @@ class Connection(asyncio.Protocol):
             and n <= self.send_window
         )
 
-    def data_frame(self, stream: Stream, data: bytes, end_stream: bool) -> bytes:
-        """One DATA frame that ``data_fits``; takes its bytes off both send windows."""
-        n = len(data)
+    def _spend(self, stream: Stream, n: int, end_stream: bool) -> int:
+        """Take ``n`` bytes of DATA off both send windows; the frame's flags."""
         stream.send_window -= n
         self.send_window -= n
         if end_stream:
             self.end(stream)
-        return wire.frame(wire.DATA, wire.END_STREAM if end_stream else 0, stream.id, data)
+            return wire.END_STREAM
+        return 0
+
+    def data_frame(self, stream: Stream, data: bytes, end_stream: bool) -> bytes:
+        """One DATA frame that ``data_fits``."""
+        return wire.frame(wire.DATA, self._spend(stream, len(data), end_stream), stream.id, data)
 
     def message_fits(self, stream: Stream, message: bytes) -> bool:
         """Whether one gRPC message can go now in one DATA frame."""
@@ -537,13 +536,22 @@ class Connection(asyncio.Protocol):
         :meth:`write_all`: the message itself is not copied (a 1 MiB tensor was copied three
         times over on its way out when frames were built by concatenation)."""
         n = len(message) + 5
-        stream.send_window -= n
-        self.send_window -= n
-        if end_stream:
-            self.end(stream)
-        flags = wire.END_STREAM if end_stream else 0
+        flags = self._spend(stream, n, end_stream)
         head = wire.frame_header(wire.DATA, flags, stream.id, n) + wire.message_prefix(len(message))
         return [head, message]
+
+    async def send_message(
+        self, stream: Stream, message: bytes, end_stream: bool, head: bytes = b""
+    ) -> None:
+        """Write one gRPC message (after ``head``, frames already built): in one write when
+        it fits, else as the windows allow."""
+        if self.message_fits(stream, message):
+            frame, body = self.message_frame(stream, message, end_stream)
+            self.write_all([head + frame, body])
+            return
+        if head:
+            self.write(head)
+        await self.send_data(stream, wire.message_prefix(len(message)) + message, end_stream)
 
     def write_all(self, buffers: list[bytes]) -> None:
         """Write ``buffers`` in order: joined when small (one write is cheaper than a gather),
@@ -586,6 +594,11 @@ class Connection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
             self.transport.write(data)
+
+    def _abandon(self, stream: Stream, code: int) -> None:
+        """The peer broke ``stream``'s rules: reset it, and tell its owner."""
+        self.reset(stream, code)
+        stream.owner.on_reset(code)
 
     def reset(self, stream: Stream, code: int) -> None:
         """RST_STREAM: this end abandons ``stream``."""

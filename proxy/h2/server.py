@@ -113,18 +113,11 @@ class ServerCall:
     async def write(self, message: bytes) -> None:
         if self.done:
             raise asyncio.InvalidStateError("the call has ended")
-        conn, stream = self.conn, self.stream
         head = b""
         if not self.headers_sent:
             self.headers_sent = True
-            head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
-        if conn.message_fits(stream, message):
-            frame, body = conn.message_frame(stream, message, False)
-            conn.write_all([head + frame, body])
-            return
-        if head:
-            conn.write(head)
-        await conn.send_data(stream, wire.message_prefix(len(message)) + message, False)
+            head = self.conn.header_frames(self.stream, _RESPONSE_HEADERS, False)
+        await self.conn.send_message(self.stream, message, False, head)
 
     # --- the request's messages, for a stream handler ---------------------------------------
     def __aiter__(self) -> ServerCall:
