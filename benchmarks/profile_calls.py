@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/profile_calls.py [TREE] [--classes] [--concurrency 1]
 
 Starts the fake Triton of ``benchmarks/cpu_ab.py`` and ``triton-proxy serve`` from ``TREE``
-(default: this checkout) under a profiler that is off until the closed loop has warmed up, then
-profiles ``--seconds`` of HTTP requests and prints the calls per request, the functions called
-most often and those with the most own time. Call counts are deterministic (they do not need a
-quiet machine); times under cProfile are inflated by its per-call cost, so confirm a cut with
-``timeit`` and ``benchmarks/cpu_ab.py`` (a cut that removed calls once made the request slower).
+(default: this checkout) under a profiler that is off until the closed loop has warmed up,
+then profiles ``--seconds`` of requests over HTTP (``--protocol grpc``: gRPC) and prints the
+calls per request, the functions called most often and those with the most own time. Call
+counts are deterministic (they do not need a quiet machine); times under cProfile are inflated
+by its per-call cost, so confirm a cut with ``timeit`` and ``benchmarks/cpu_ab.py`` (a cut that
+removed calls once made the request slower).
 Light: about ten seconds of one core.
 """
 
@@ -47,7 +48,9 @@ sys.exit(main())
 """
 
 
-async def profile(tree: Path, out: Path, classes: bool, concurrency: int, seconds: float) -> int:
+async def profile(
+    tree: Path, out: Path, classes: bool, concurrency: int, seconds: float, protocol: str
+) -> int:
     """Profile the proxy from ``tree`` into ``out``; returns the requests answered meanwhile."""
     fake = subprocess.Popen([sys.executable, "-c", FAKE], stdout=subprocess.PIPE, text=True)
     try:
@@ -80,15 +83,20 @@ async def profile(tree: Path, out: Path, classes: bool, concurrency: int, second
                     env={**os.environ, "PYTHONPATH": str(tree)},
                 )
             try:
-                port = None
-                while port is None:
+                ports: dict[str, int] = {}
+                while len(ports) < 2:
                     await asyncio.sleep(0.1)
                     if proc.poll() is not None:
                         raise RuntimeError(f"proxy did not start:\n{log.read_text()}")
                     for line in log.read_text().splitlines():
                         if "ready: HTTP localhost:" in line:
-                            port = int(line.rsplit(":", 1)[1])
-                target = ClosedTarget("http", (f"http://127.0.0.1:{port}",))
+                            ports["http"] = int(line.rsplit(":", 1)[1])
+                        elif line.strip().startswith("gRPC localhost:"):
+                            ports["grpc"] = int(line.rsplit(":", 1)[1])
+                if protocol == "http":
+                    target = ClosedTarget("http", (f"http://127.0.0.1:{ports['http']}",))
+                else:
+                    target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
                 request = SimpleRequest(api_key="ab-key" if classes else None)
                 async with sender(target, request, concurrency) as send:
                     await run_closed(send, concurrency, 1.0, warmup_s=0.0)
@@ -131,6 +139,7 @@ def main() -> int:
     p.add_argument("tree", nargs="?", default=str(HERE), help="the checkout to profile")
     p.add_argument("--classes", action="store_true", help="with scheduling classes on")
     p.add_argument("--concurrency", type=int, default=1, help="closed-loop clients")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", help="keep the cProfile dump here")
@@ -140,7 +149,10 @@ def main() -> int:
         import uvloop
 
         requests = uvloop.run(
-            profile(Path(args.tree).resolve(), out, args.classes, args.concurrency, args.seconds)
+            profile(
+                Path(args.tree).resolve(),
+                *(out, args.classes, args.concurrency, args.seconds, args.protocol),
+            )
         )
         report(out, requests, args.top)
     return 0

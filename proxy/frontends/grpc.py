@@ -280,7 +280,9 @@ class GrpcFrontend:
 
         with rt.budget.hold(len(request)):
             call = self._call(rt, request, metadata, context.time_remaining())
-            return await rt.dispatcher.run(call, send)
+            # proxy.h2's calls can answer before the handler returns; grpc.aio's cannot.
+            deliver = getattr(context, "answer_now", None)
+            return await rt.dispatcher.run(call, send, deliver=deliver)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes], context: Any) -> None:
         """The whole stream stays on the instance chosen for its first request; each message

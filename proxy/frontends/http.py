@@ -243,6 +243,7 @@ class HttpFrontend:
             # the request holds its slot and token until Triton answers.
             upstream_cancels=stream,
             holds_on_leave=not stream,
+            deliver=request.answer_now,
         )
 
     def _exchange(

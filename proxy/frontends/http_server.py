@@ -151,6 +151,7 @@ class Request:
     __slots__ = (
         "_conn",
         "_hold",
+        "answered",
         "body",
         "client_left",
         "content_length",
@@ -191,11 +192,25 @@ class Request:
         goes nowhere. Before that, a client that leaves cancels the handler at once."""
         self.client_left = False
         """The client closed the connection while this request was being answered."""
+        self.answered = False
+        """Its answer was written by :meth:`answer_now`: whatever the handler returns or raises
+        afterwards is not written."""
 
     def start_stream(self, status: int, headers: Iterable[tuple[str, str]]) -> Stream:
         """Send the head of a streamed answer; the handler writes it, ends it and returns it."""
         self.stream = Stream(self._conn, self, status, headers)
         return self.stream
+
+    def answer_now(self, answer: Response | Stream) -> None:
+        """Write ``answer`` before the handler returns (it must return the same answer): work
+        the handler does after it runs off the client's clock. Does nothing for a streamed
+        answer (it is written as it goes), a request answered already, or a connection gone."""
+        conn = self._conn
+        if not isinstance(answer, Response) or self.answered or conn._answering is not self:
+            return
+        self.answered = True
+        with contextlib.suppress(ConnectionError):
+            conn._write_response(self, answer)
 
     def _release(self) -> None:
         hold, self._hold = self._hold, None
@@ -551,7 +566,8 @@ class _Connection(asyncio.Protocol):
                 finally:
                     request._release()
             if isinstance(answer, Response):
-                self._write_response(request, answer)
+                if not request.answered:
+                    self._write_response(request, answer)
             elif not answer.ended:
                 # Headers are sent, so no error can follow: the client sees the answer cut
                 # short, as it would from the server itself.
@@ -560,7 +576,7 @@ class _Connection(asyncio.Protocol):
             return  # the connection is gone: connection_lost cleans up
         except Exception:
             log.exception("unexpected error answering %s %s", request.method, request.target[:200])
-            if request.stream is None:
+            if request.stream is None and not request.answered:
                 self._write_response(
                     request, error_response(ProxyError(Code.INTERNAL, "internal proxy error"))
                 )

@@ -228,17 +228,33 @@ class ServerCall:
             if self._timer is not None:
                 self._timer.cancel()
 
+    def answer_now(self, message: bytes) -> None:
+        """A unary call's answer written before its handler returns (it must return the same
+        answer), when it fits the flow-control windows: what the handler does afterwards runs
+        off the client's clock (the dispatcher's ``deliver``)."""
+        if self.unary:
+            self._answer_at_once(message)
+
+    def _answer_at_once(self, message: bytes) -> bool:
+        """Headers, the message and OK in one write, if the call is open and they fit."""
+        conn, stream = self.conn, self.stream
+        if (
+            self.done
+            or self.headers_sent
+            or stream.id not in conn.streams
+            or not conn.message_fits(stream, message)
+        ):
+            return False
+        self.headers_sent = True
+        head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
+        frame, body = conn.message_frame(stream, message, False)
+        conn.write_all([head + frame, body, conn.header_frames(stream, _OK, True)])
+        self._ended()
+        return True
+
     async def _respond(self, message: bytes) -> None:
         """A unary call's answer: headers, the message and OK, in one write when they fit."""
-        conn, stream = self.conn, self.stream
-        if self.done or stream.id not in conn.streams:
-            return
-        if not self.headers_sent and conn.message_fits(stream, message):
-            self.headers_sent = True
-            head = conn.header_frames(stream, _RESPONSE_HEADERS, False)
-            frame, body = conn.message_frame(stream, message, False)
-            conn.write_all([head + frame, body, conn.header_frames(stream, _OK, True)])
-            self._ended()
+        if self._answer_at_once(message) or self.done or self.stream.id not in self.conn.streams:
             return
         try:
             await self.write(message)

@@ -8,7 +8,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,8 +26,10 @@ BIG = 9 << 20  # over every default window and the frame size
 
 @dataclass
 class Seen:
-    cancelled: asyncio.Event
-    metadata: list[tuple[str, str | bytes]]
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    metadata: list[tuple[str, str | bytes]] = field(default_factory=list)
+    go_on: asyncio.Event = field(default_factory=asyncio.Event)
+    returned: list[bytes] = field(default_factory=list)
 
 
 async def _server(seen: Seen) -> tuple[H2GrpcServer, int]:
@@ -40,6 +42,17 @@ async def _server(seen: Seen) -> tuple[H2GrpcServer, int]:
             grpc.StatusCode.RESOURCE_EXHAUSTED, "full é try later", [("retry-after", "3")]
         )
         raise AssertionError
+
+    async def early(request: bytes, context: Any) -> bytes:
+        # Answered before it returns, then waits for the test (as the dispatcher's
+        # ``deliver`` answers before the proxy's accounting).
+        context.answer_now(request)
+        context.answer_now(b"a second answer is not written")
+        await seen.go_on.wait()
+        seen.returned.append(request)
+        if request == b"raise":
+            await context.abort(grpc.StatusCode.INTERNAL, "raised after the answer")
+        return request
 
     async def slow(request: bytes, context: Any) -> bytes:
         try:
@@ -57,7 +70,12 @@ async def _server(seen: Seen) -> tuple[H2GrpcServer, int]:
             await context.write(request[::-1])
 
     server = H2GrpcServer(
-        {SERVICE + "Echo": echo, SERVICE + "Fail": fail, SERVICE + "Slow": slow},
+        {
+            SERVICE + "Echo": echo,
+            SERVICE + "Fail": fail,
+            SERVICE + "Slow": slow,
+            SERVICE + "Early": early,
+        },
         {SERVICE + "Chat": chat},
         max_receive_bytes=16 << 20,
     )
@@ -66,7 +84,7 @@ async def _server(seen: Seen) -> tuple[H2GrpcServer, int]:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Seen, grpc.aio.Channel]]:
-    seen = Seen(asyncio.Event(), [])
+    seen = Seen()
     server, port = await _server(seen)
     channel = grpc.aio.insecure_channel(
         f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)]
@@ -87,6 +105,18 @@ async def test_unary_calls_of_any_size_and_many_at_once(served: Any) -> None:
     assert await asyncio.gather(*(echo(m) for m in smalls)) == smalls
     await echo(b"x", metadata=(("x-key", "v"), ("x-trace-bin", b"\x00\xff")))
     assert ("x-key", "v") in seen.metadata and ("x-trace-bin", b"\x00\xff") in seen.metadata
+
+
+@pytest.mark.parametrize("message", [b"early", b"raise"])
+async def test_an_answer_given_early_reaches_the_client_once(served: Any, message: bytes) -> None:
+    seen, channel = served
+    early = channel.unary_unary(SERVICE + "Early")
+    async with asyncio.timeout(5):
+        assert await early(message) == message  # while the handler still waits
+    assert seen.returned == []
+    seen.go_on.set()
+    assert await early(b"again") == b"again"
+    assert seen.returned == [message, b"again"]
 
 
 async def test_compressed_requests_reach_the_handler_plain(served: Any) -> None:
@@ -370,7 +400,7 @@ def _request_headers(stream: int, end_headers: bool = True) -> bytes:
 
 
 async def test_protocol_abuse_costs_the_connection() -> None:
-    server, port = await _server(Seen(asyncio.Event(), []))
+    server, port = await _server(Seen())
     try:
         assert await _goaway_after(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(20), False) == (
             wire.PROTOCOL_ERROR
@@ -399,7 +429,7 @@ async def test_unfinished_messages_cannot_fill_the_servers_memory() -> None:
     """Many calls that each send part of a large message and never finish it: the server
     gives the connection's window back only as messages are handed over, so a client that
     sends past the window it was given is cut off instead of being buffered."""
-    server, port = await _server(Seen(asyncio.Event(), []))
+    server, port = await _server(Seen())
     try:
         window = server.max_receive_bytes + (1 << 20)
         chunk = wire.frame(wire.DATA, 0, 0, bytes(16_000))[9:]
@@ -420,7 +450,7 @@ async def test_unfinished_messages_cannot_fill_the_servers_memory() -> None:
 async def test_calls_over_the_stream_limit_are_refused_and_the_rest_served() -> None:
     from proxy.h2.server import MAX_STREAMS
 
-    server, port = await _server(Seen(asyncio.Event(), []))
+    server, port = await _server(Seen())
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         opened = range(1, 2 * (MAX_STREAMS + 10), 2)

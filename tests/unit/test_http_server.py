@@ -66,6 +66,17 @@ class EchoApp:
             self.finished.append(request)
         if request.target == "/refuse":
             raise ProxyError(Code.UNAVAILABLE, "not now", retry_after_s=2.0)
+        if request.target.startswith("/early"):
+            # Answered before the handler returns, which then waits for the test.
+            early = Response(200, b"early", [("Content-Type", "text/plain")])
+            request.answer_now(early)
+            request.answer_now(Response(500, b"a second answer is not written"))
+            self.started.set()
+            await self.go_on.wait()
+            self.finished.append(request)
+            if request.target == "/early-raises":
+                raise ProxyError(Code.INTERNAL, "raised after the answer: not written")
+            return early
         if request.target == "/stream":
             stream = request.start_stream(200, [("Content-Type", "text/event-stream")])
             await stream.write(b"data: 1\n\n")
@@ -218,6 +229,25 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         app.go_on.set()
         targets = [(await read_answer(reader)).json()["target"] for _ in range(3)]
         assert targets == ["/wait/1", "/2", "/3"]
+        assert app.all_released()
+
+
+@pytest.mark.parametrize("target", ["/early", "/early-raises"])
+async def test_an_answer_given_early_is_written_once_before_the_handler_returns(
+    target: str,
+) -> None:
+    async with serving() as (server, app), connection(server) as (reader, writer):
+        writer.write(request("GET", target) + request("GET", "/after"))
+        async with asyncio.timeout(5):
+            answer = await read_answer(reader)  # while the handler still waits
+        assert (answer.status, answer.body) == (200, b"early")
+        assert app.finished == []
+        app.go_on.set()
+        # Nothing else of the first request follows: the next answer is the next request's.
+        after = await read_answer(reader)
+        assert after.status == 200 and after.json()["target"] == "/after"
+        assert [r.target for r in app.finished] == [target]
+        assert not await closed(reader)
         assert app.all_released()
 
 
