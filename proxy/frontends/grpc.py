@@ -34,13 +34,13 @@ from proxy.frontends.common import (
     shared_memory_call,
 )
 from proxy.frontends.http import HOP_BY_HOP
-from proxy.frontends.kserve_grpc import read_infer, with_parameters
+from proxy.frontends.kserve_grpc import input_shapes, read_infer, read_request, with_parameters
 from proxy.frontends.routes import check_model_name
 from proxy.h2.server import H2GrpcServer
 from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
-from proxy.scheduling.cost import check_shapes, cost_of, grpc_shapes
+from proxy.scheduling.cost import check_shapes, cost_of
 
 log = logging.getLogger(__name__)
 
@@ -210,14 +210,13 @@ class GrpcFrontend:
         metadata: list[tuple[str, str | bytes]],
         time_remaining: float | None,
     ) -> Call:
-        model, params = read_infer(request)
+        model, params, shapes = read_request(request)
         if not model:
             raise ProxyError(
                 Code.INVALID_ARG,
                 "triton-proxy could not parse the ModelInferRequest, or it names no model",
             )
         check_model_name(model)
-        shapes = grpc_shapes(request)
         check_shapes(shapes, len(request))
         headers = {k: v for k, v in metadata if isinstance(v, str)}
         return Call(
@@ -480,7 +479,7 @@ class _StreamLeg:
         as Triton answers a failed request of a stream."""
         stack = contextlib.AsyncExitStack()
         try:
-            check_shapes(grpc_shapes(request), len(request))
+            check_shapes(input_shapes(request), len(request))
             with self.rt.budget.hold(len(request)):
                 priority = await stack.enter_async_context(
                     self.rt.dispatcher.admitted(model, self.klass)

@@ -1,9 +1,10 @@
 """The little of a gRPC ``ModelInferRequest`` that routing reads, and the one edit it makes.
 
-Requests are forwarded as the client's bytes. Routing needs ``model_name`` (field 1) and a few
-``parameters`` (field 4, ``map<string, InferParameter>``); the tensors (``inputs``,
-``raw_input_contents``...) can be megabytes, so the top-level fields are walked on the wire and
-only fields 1 and 4 are handed to the protobuf parser: tensor bytes are skipped, never copied.
+Requests are forwarded as the client's bytes. Routing needs ``model_name`` (field 1), a few
+``parameters`` (field 4, ``map<string, InferParameter>``) and the inputs' shapes (field 5,
+``inputs[].shape``, for the request's cost); the tensors (``raw_input_contents``...) can be
+megabytes, so the top-level fields are walked on the wire and only fields 1 and 4 are handed to
+the protobuf parser: tensor bytes are skipped, never copied.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from proxy.request import NO_PARAMS, InferParams, params_from_mapping
 
 _MODEL_NAME = 1
 _PARAMETERS = 4
+_INPUTS = 5  # ModelInferRequest.inputs
+_SHAPE = 3  # InferInputTensor.shape (packed int64)
 _ROUTING_FIELDS = frozenset((_MODEL_NAME, _PARAMETERS))
+_READ_FIELDS = frozenset((_MODEL_NAME, _PARAMETERS, _INPUTS))
+_MEMO_BYTES = 1024
+"""Largest set of a request's fields 1, 4 and 5 whose reading is memoised (1024 of them): a
+client sends the same model, parameters and input shapes call after call; inputs that carry
+their tensor inline (``contents``) are larger and read each time."""
+
+Shapes = tuple[tuple[int, ...], ...]
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -77,16 +87,82 @@ def nested_fields(data: bytes, number: int, *, packed_ok: bool = False) -> list[
     return out
 
 
-def routing_fields(data: bytes) -> bytes:
-    """The encoded ``model_name`` and ``parameters`` fields of ``data``, in their order.
+def routing_fields(data: bytes, numbers: frozenset[int] = _ROUTING_FIELDS) -> bytes:
+    """The encoded top-level fields ``numbers`` of ``data`` (by default ``model_name`` and
+    ``parameters``), in their order.
 
     Raises ``ValueError`` (or ``IndexError``) when ``data`` is not a well-formed message.
+    The same walk as :func:`_fields`, with one-byte keys and lengths read inline: this runs
+    on every gRPC request (2.0 -> 1.0 µs for a two-input request, ``timeit``, session 20).
     """
-    return b"".join(
-        data[key_start:stop]
-        for number, _, key_start, _, stop in _fields(data)
-        if number in _ROUTING_FIELDS
-    )
+    pos, end = 0, len(data)
+    parts = []
+    while pos < end:
+        start = pos
+        key = data[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(data, pos)
+        wire = key & 7
+        if wire == 2:
+            length = data[pos]
+            if length < 0x80:
+                pos += 1 + length
+            else:
+                length, pos = _varint(data, pos)
+                pos += length
+        elif wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated message")
+        if key >> 3 in numbers:
+            parts.append(data[start:pos])
+    return b"".join(parts)
+
+
+def input_shapes(request: bytes) -> Shapes:
+    """The input shapes of a serialized ``ModelInferRequest`` (packed or not); tensor bytes
+    are skipped. A message whose inputs cannot be walked has none that the proxy can read
+    (``()``): Triton then parses it and says what is wrong."""
+    try:
+        return tuple(
+            tuple(
+                d
+                for value in nested_fields(tensor, _SHAPE, packed_ok=True)
+                for d in packed_varints(value)
+            )
+            for tensor in nested_fields(request, _INPUTS)
+        )
+    except (ValueError, IndexError):
+        return ()
+
+
+def read_request(data: bytes) -> tuple[str, InferParams, Shapes]:
+    """Model name, routing parameters and input shapes of a serialized ``ModelInferRequest``
+    (:func:`read_infer` and :func:`input_shapes` in one walk of the message, memoised by the
+    bytes they read). An unreadable message yields ``("", NO_PARAMS, ())``."""
+    try:
+        fields = routing_fields(data, _READ_FIELDS)
+    except (ValueError, IndexError):
+        return "", NO_PARAMS, ()
+    if len(fields) <= _MEMO_BYTES:
+        return _read_memo(fields)
+    return _read(fields)
+
+
+def _read(fields: bytes) -> tuple[str, InferParams, Shapes]:
+    model, params = read_infer(fields)
+    return model, params, input_shapes(fields)
+
+
+_read_memo = functools.lru_cache(maxsize=1024)(_read)
 
 
 def packed_varints(data: bytes) -> list[int]:

@@ -4,7 +4,8 @@
 1-D input): the padded work one request adds to a batch on an accelerator, whose time follows
 ``fixed + per_unit x batch x longest sequence``. It is read from what the frontends parse
 anyway: the ``shape`` arrays of the JSON header (HTTP JSON and binary tensors) and
-``ModelInferRequest.inputs[].shape`` (gRPC, walked on the wire; tensor bytes are skipped).
+``ModelInferRequest.inputs[].shape`` (gRPC, walked on the wire by
+:func:`proxy.frontends.kserve_grpc.input_shapes`; tensor bytes are skipped).
 
 **Long requests.** A request is *long* when its cost is at least ``long_ratio`` times the
 model's typical cost (an exponentially weighted median of recent costs), or its class is capped
@@ -25,11 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.errors import Code, ProxyError
-from proxy.frontends.kserve_grpc import nested_fields, packed_varints
 
 _SHAPE = re.compile(rb'"shape"\s*:\s*\[([0-9,\s]*)\]')
-_INPUTS = 5  # ModelInferRequest.inputs
-_SHAPE_FIELD = 3  # InferInputTensor.shape (packed int64)
 _MAX_COST = 1e12
 
 
@@ -73,23 +71,6 @@ def _dims(text: bytes) -> tuple[int, ...]:
 # Memoised: a client sends the same few shapes over and over, and reading one took a list
 # comprehension and two calls per dimension (cProfile, session 17).
 _memo_dims = functools.lru_cache(maxsize=1024)(_dims)
-
-
-def grpc_shapes(request: bytes) -> list[list[int]]:
-    """The input shapes of a serialized ``ModelInferRequest`` (packed or not); tensor bytes
-    are skipped. A message whose inputs cannot be walked has none that the proxy can read
-    (``[]``): Triton then parses it and says what is wrong."""
-    try:
-        return [
-            [
-                d
-                for value in nested_fields(tensor, _SHAPE_FIELD, packed_ok=True)
-                for d in packed_varints(value)
-            ]
-            for tensor in nested_fields(request, _INPUTS)
-        ]
-    except (ValueError, IndexError):
-        return []
 
 
 def check_shapes(shapes: Sequence[Sequence[int]], nbytes: int) -> None:

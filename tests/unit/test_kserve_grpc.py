@@ -7,8 +7,15 @@ from typing import Any
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from proxy.frontends import kserve_grpc
 from proxy.frontends.grpc import SERVICE, GrpcFrontend
-from proxy.frontends.kserve_grpc import read_infer, routing_fields, with_parameters
+from proxy.frontends.kserve_grpc import (
+    input_shapes,
+    read_infer,
+    read_request,
+    routing_fields,
+    with_parameters,
+)
 from proxy.request import NO_PARAMS, InferParams
 
 
@@ -65,6 +72,60 @@ def test_routing_fields_skip_tensors() -> None:
 @pytest.mark.parametrize("data", [b"\x0a\x05abc", b"\xff" * 11, b"\x0b\x00", b"\x0a"])
 def test_unreadable_request_still_routes(data: bytes) -> None:
     assert read_infer(data) == ("", NO_PARAMS)
+    assert read_request(data) == ("", NO_PARAMS, ())
+
+
+def _long_request() -> bytes:
+    """Field keys and lengths of more than one byte: a long model name, many inputs, an
+    unpacked shape, a field number past 15, a fixed64 and a fixed32 field."""
+    r = request(priority=("int64_param", 2), sequence_id=("string_param", "s" * 300))
+    r.model_name = "m" * 200
+    for n in range(40):
+        r.inputs.add(name=f"in{n}", datatype="FP32", shape=[n + 1, 3 * n + 1])
+    r.raw_input_contents.append(b"\x00" * 70_000)
+    data: bytes = r.SerializeToString()
+    unpacked_shape = b"\x18\x07\x18\x09"  # InferInputTensor.shape as two varint fields
+    tensor = b"\x0a\x01x" + unpacked_shape
+    data += b"\x2a" + bytes([len(tensor)]) + tensor
+    data += b"\x81\x01" + b"\x00" * 8  # field 16, fixed64 (unknown: skipped)
+    return data + b"\x85\x01" + b"\x00" * 4  # field 16, fixed32
+
+
+@pytest.mark.parametrize("numbers", [frozenset({1, 4}), frozenset({1, 4, 5}), frozenset({7})])
+def test_the_inline_walk_keeps_what_the_field_walk_finds(numbers: frozenset[int]) -> None:
+    data = _long_request()
+    expected = b"".join(
+        data[key_start:stop]
+        for number, _, key_start, _, stop in kserve_grpc._fields(data)
+        if number in numbers
+    )
+    assert routing_fields(data, numbers) == expected
+    with pytest.raises((ValueError, IndexError)):
+        routing_fields(data[:-3], numbers)
+
+
+def test_read_request_is_read_infer_and_input_shapes_in_one() -> None:
+    for data in (
+        _long_request(),
+        request(sequence_id=("int64_param", 5)).SerializeToString(),
+        request().SerializeToString(),
+    ):
+        model, params = read_infer(data)
+        assert read_request(data) == (model, params, input_shapes(data))
+        assert read_request(data) == (model, params, input_shapes(data))  # memoised
+    assert read_request(_long_request())[2][-1] == (7, 9)  # the unpacked shape
+
+
+def test_only_small_requests_are_memoised() -> None:
+    # The memo holds client bytes: inputs that carry their tensor inline are read, not kept.
+    kserve_grpc._read_memo.cache_clear()
+    small = request()
+    read_request(small.SerializeToString())
+    assert kserve_grpc._read_memo.cache_info().currsize == 1
+    inline = request()
+    inline.inputs[0].contents.int_contents.extend(range(2000))
+    assert read_request(inline.SerializeToString())[2] == ((1, 1),)
+    assert kserve_grpc._read_memo.cache_info().currsize == 1
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,11 @@ import json
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from proxy.frontends.kserve_grpc import input_shapes
 from proxy.scheduling.cost import (
     CostModel,
     CostOverride,
     cost_of,
-    grpc_shapes,
     http_shapes,
     shape_cost,
 )
@@ -49,9 +49,9 @@ def test_grpc_cost_walks_input_shapes_without_reading_tensor_bytes() -> None:
     b.shape.extend([4, 8])
     request.raw_input_contents.append(b"\x00" * 4096)
     data = request.SerializeToString()
-    assert cost_of(grpc_shapes(data)) == 2048
-    assert grpc_shapes(data[:-10]) == []  # truncated: unknown, not an error
-    assert grpc_shapes(b"\xff\xff\xff") == []
+    assert cost_of(input_shapes(data)) == 2048
+    assert input_shapes(data[:-10]) == ()  # truncated: unknown, not an error
+    assert input_shapes(b"\xff\xff\xff") == ()
     assert cost_of([]) == 1.0
 
 
@@ -101,9 +101,9 @@ def test_shapes_no_request_could_carry_are_refused() -> None:
     request = pb.ModelInferRequest(model_name="m")
     request.inputs.add().shape.extend([1 << 20, 1 << 20])
     data = request.SerializeToString()
-    assert grpc_shapes(data) == [[1 << 20, 1 << 20]]
+    assert input_shapes(data) == ((1 << 20, 1 << 20),)
     with pytest.raises(ProxyError):
-        check_shapes(grpc_shapes(data), len(data))
+        check_shapes(input_shapes(data), len(data))
 
 
 def test_only_short_shape_texts_are_memoised():
