@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -199,21 +200,7 @@ async def one(
                 env={**os.environ, "PYTHONPATH": str(tree)},
             )
         try:
-            ports: dict[str, int] = {}
-            deadline = time.monotonic() + 30
-            while len(ports) < 2:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"proxy from {tree} did not start:\n{log.read_text()}")
-                await asyncio.sleep(0.1)
-                for line in log.read_text().splitlines():
-                    if "ready: HTTP localhost:" in line:
-                        ports["http"] = int(line.rsplit(":", 1)[1])
-                    elif line.strip().startswith("gRPC localhost:"):
-                        ports["grpc"] = int(line.rsplit(":", 1)[1])
-            if protocol == "http":
-                target = ClosedTarget("http", (f"http://127.0.0.1:{ports['http']}",))
-            else:
-                target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
+            target = await proxy_target(proc, log, protocol)
             request = SimpleRequest(api_key="ab-key" if classes else None)
             return await measure(
                 target, request, proc.pid, seconds, concurrency, str(tree), profile
@@ -221,6 +208,27 @@ async def one(
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+async def proxy_target(
+    proc: subprocess.Popen[Any], log: Path, protocol: str, timeout_s: float = 30.0
+) -> ClosedTarget:
+    """Where a starting ``triton-proxy serve`` (``proc``, writing ``log``) listens for
+    ``protocol``, once it has said so."""
+    ports: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(ports) < 2:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"proxy did not start:\n{log.read_text()}")
+        await asyncio.sleep(0.1)
+        for line in log.read_text().splitlines():
+            if "ready: HTTP localhost:" in line:
+                ports["http"] = int(line.rsplit(":", 1)[1])
+            elif line.strip().startswith("gRPC localhost:"):
+                ports["grpc"] = int(line.rsplit(":", 1)[1])
+    if protocol == "http":
+        return ClosedTarget("http", (f"http://127.0.0.1:{ports['http']}",))
+    return ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
 
 
 async def measure(

@@ -30,9 +30,9 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "benchmarks"))
 
-from cpu_ab import CLASSES, FAKE  # noqa: E402
+from cpu_ab import CLASSES, FAKE, proxy_target  # noqa: E402
 
-from proxy.bench.closed import ClosedTarget, SimpleRequest, run_closed, sender  # noqa: E402
+from proxy.bench.closed import SimpleRequest, run_closed, sender  # noqa: E402
 
 # Runs the proxy's CLI with cProfile switched on by SIGUSR1 and off (dumped) by SIGUSR2.
 WRAP = """
@@ -83,20 +83,7 @@ async def profile(
                     env={**os.environ, "PYTHONPATH": str(tree)},
                 )
             try:
-                ports: dict[str, int] = {}
-                while len(ports) < 2:
-                    await asyncio.sleep(0.1)
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"proxy did not start:\n{log.read_text()}")
-                    for line in log.read_text().splitlines():
-                        if "ready: HTTP localhost:" in line:
-                            ports["http"] = int(line.rsplit(":", 1)[1])
-                        elif line.strip().startswith("gRPC localhost:"):
-                            ports["grpc"] = int(line.rsplit(":", 1)[1])
-                if protocol == "http":
-                    target = ClosedTarget("http", (f"http://127.0.0.1:{ports['http']}",))
-                else:
-                    target = ClosedTarget("grpc", (f"127.0.0.1:{ports['grpc']}",))
+                target = await proxy_target(proc, log, protocol)
                 request = SimpleRequest(api_key="ab-key" if classes else None)
                 async with sender(target, request, concurrency) as send:
                     await run_closed(send, concurrency, 1.0, warmup_s=0.0)

@@ -46,21 +46,32 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def _fields(data: bytes) -> list[tuple[int, int, int, int, int]]:
-    """``(field number, wire type, key start, value start, end)`` of each top-level field."""
+    """``(field number, wire type, key start, value start, end)`` of each top-level field.
+
+    One-byte keys and lengths (nearly all of a request's) are read inline, not by
+    :func:`_varint`: this walk runs on every gRPC request (session 20)."""
     pos, end = 0, len(data)
     out = []
     while pos < end:
         key_start = pos
-        key, pos = _varint(data, pos)
+        key = data[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(data, pos)
         wire = key & 7
         start = pos
-        if wire == 0:
+        if wire == 2:
+            length = data[pos]
+            if length < 0x80:
+                start = pos + 1
+            else:
+                length, start = _varint(data, pos)
+            pos = start + length
+        elif wire == 0:
             _, pos = _varint(data, pos)
         elif wire == 1:
             pos += 8
-        elif wire == 2:
-            length, start = _varint(data, pos)
-            pos = start + length
         elif wire == 5:
             pos += 4
         else:
@@ -92,39 +103,10 @@ def routing_fields(data: bytes, numbers: frozenset[int] = _ROUTING_FIELDS) -> by
     ``parameters``), in their order.
 
     Raises ``ValueError`` (or ``IndexError``) when ``data`` is not a well-formed message.
-    The same walk as :func:`_fields`, with one-byte keys and lengths read inline: this runs
-    on every gRPC request (2.0 -> 1.0 µs for a two-input request, ``timeit``, session 20).
     """
-    pos, end = 0, len(data)
-    parts = []
-    while pos < end:
-        start = pos
-        key = data[pos]
-        if key < 0x80:
-            pos += 1
-        else:
-            key, pos = _varint(data, pos)
-        wire = key & 7
-        if wire == 2:
-            length = data[pos]
-            if length < 0x80:
-                pos += 1 + length
-            else:
-                length, pos = _varint(data, pos)
-                pos += length
-        elif wire == 0:
-            _, pos = _varint(data, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unexpected wire type {wire}")
-        if pos > end:
-            raise ValueError("truncated message")
-        if key >> 3 in numbers:
-            parts.append(data[start:pos])
-    return b"".join(parts)
+    return b"".join(
+        data[key_start:stop] for number, _, key_start, _, stop in _fields(data) if number in numbers
+    )
 
 
 def input_shapes(request: bytes) -> Shapes:
