@@ -191,14 +191,7 @@ async def one(
             doc["scheduling"] = CLASSES
         policy.write_text(yaml.safe_dump(doc))
         log = Path(tmp) / "proxy.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "proxy.cli", "serve", "--policy", str(policy)],
-                cwd=tree,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(tree)},
-            )
+        proc = spawn_proxy(tree, policy, log)
         try:
             target = await proxy_target(proc, log, protocol)
             request = SimpleRequest(api_key="ab-key" if classes else None)
@@ -210,6 +203,18 @@ async def one(
             proc.wait(30)
 
 
+def spawn_proxy(tree: Path, policy: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``triton-proxy serve --policy POLICY`` from the checkout ``tree``, writing to ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--policy", str(policy)],
+            cwd=tree,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+        )
+
+
 async def proxy_target(
     proc: subprocess.Popen[Any], log: Path, protocol: str, timeout_s: float = 30.0
 ) -> ClosedTarget:
@@ -217,7 +222,7 @@ async def proxy_target(
     ``protocol``, once it has said so."""
     ports: dict[str, int] = {}
     deadline = time.monotonic() + timeout_s
-    while len(ports) < 2:
+    while protocol not in ports:
         if time.monotonic() > deadline or proc.poll() is not None:
             raise RuntimeError(f"proxy did not start:\n{log.read_text()}")
         await asyncio.sleep(0.1)

@@ -26,11 +26,11 @@ Triton's own timestamps can.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import contextlib
 import glob
 import json
-import os
 import random
 import signal
 import subprocess
@@ -48,6 +48,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from cpu_ab import proxy_target, spawn_proxy  # noqa: E402
 
 from proxy.bench.fleet import bench_repository  # noqa: E402
 from proxy.local.fleet import LocalFleet  # noqa: E402
@@ -141,22 +143,13 @@ def start_proxy(
         )
     )
     log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--policy", str(policy)],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in log.read_text().splitlines():
-            if "ready: HTTP localhost:" in line:
-                return proc, f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"proxy did not start:\n{log.read_text()}")
+    proc = spawn_proxy(ROOT, policy, log)
+    try:
+        target = asyncio.run(proxy_target(proc, log, "http"))
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, target.addresses[0].removeprefix("http://")
 
 
 def read_traces(prefix: Path, server: int) -> dict[str, dict[str, int]]:
