@@ -10,7 +10,8 @@ online 13 req/s (a tenth 512 tokens) at priority 2, offline 4.3 req/s of 4 x 512
 3), each request on its own connection, in alternated blocks: sent straight to Triton
 (``direct``, round robin over the servers), or through ``triton-proxy serve`` (``proxy``: round
 robin, no classes, the client's priority passed on: the benchmark's ``proxy_rr_priority``;
-``--no-feedback`` adds an arm with instance feedback off). Triton traces every request
+``--no-feedback`` adds an arm with instance feedback off, ``--classes`` one with `case.yaml`'s
+classes: its class gate, each kind's priority set by the proxy). Triton traces every request
 (``--trace-config level=TIMESTAMPS``), on the same monotonic clock as the sender, so each
 request's time splits into: send -> Triton's HTTP frontend starts reading it
 (``HTTP_RECV_START``) -> it enters the batcher's queue (``QUEUE_START``) -> its batch starts
@@ -40,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gevent
 import numpy as np
@@ -51,7 +53,9 @@ sys.path.insert(0, str(ROOT))
 
 from cpu_ab import proxy_target, spawn_proxy  # noqa: E402
 
+from proxy.bench.arms import scheduling_section  # noqa: E402
 from proxy.bench.fleet import bench_repository  # noqa: E402
+from proxy.bench.scenario import load_scenario  # noqa: E402
 from proxy.local.fleet import LocalFleet  # noqa: E402
 
 PARAMETERS = {"accel_sim": {"base_ms": 5, "per_token_us": 10}}
@@ -100,7 +104,13 @@ def send(url: str, item: Sent, priority: int, rows: int, tokens: int) -> None:
         tensor = httpclient.InferInput("INPUT_IDS", [rows, tokens], "INT64")
         tensor.set_data_from_numpy(np.ones((rows, tokens), dtype=np.int64), binary_data=True)
         item.sent_ns = time.monotonic_ns()
-        client.infer("accel_sim", [tensor], priority=priority, request_id=item.rid)
+        client.infer(
+            "accel_sim",
+            [tensor],
+            priority=priority,
+            request_id=item.rid,
+            headers={"Authorization": f"Bearer bench-{item.kind}"},
+        )
         item.done_ns = time.monotonic_ns()
         client.close()
     except Exception as exc:  # reported per arm
@@ -130,15 +140,17 @@ def drive(urls: list[str], arm: Arm, seconds: float, rng: random.Random, servers
 
 
 def start_proxy(
-    http_urls: list[str], workdir: Path, name: str, routing: dict[str, object]
+    http_urls: list[str], workdir: Path, name: str, sections: dict[str, Any]
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """A proxy doing round robin over ``http_urls``; ``sections`` adds to its policy."""
     policy = workdir / f"{name}.yaml"
     policy.write_text(
         yaml.safe_dump(
             {
                 "instances": [{"name": f"t{i}", "http": u} for i, u in enumerate(http_urls)],
                 "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
-                "routing": {"policy": {"name": "round_robin"}, **routing},
+                **sections,
+                "routing": {"policy": {"name": "round_robin"}, **sections.get("routing", {})},
             }
         )
     )
@@ -287,11 +299,19 @@ def main() -> int:
     p.add_argument("--stall-ms", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-feedback", action="store_true", help="also a proxy arm without feedback")
+    p.add_argument(
+        "--classes", action="store_true", help="also a proxy arm with case.yaml's classes"
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
-    routings: dict[str, dict[str, object]] = {"proxy": {}}
+    routings: dict[str, dict[str, Any]] = {"proxy": {}}
     if args.no_feedback:
-        routings["proxy_no_feedback"] = {"feedback": {"enabled": False}}
+        routings["proxy_no_feedback"] = {"routing": {"feedback": {"enabled": False}}}
+    if args.classes:
+        # case.yaml's classes as the benchmark's class arms set them: each kind's API key
+        # (sent by every arm; Triton ignores it) picks its class, whose priority the proxy sets.
+        scenario = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+        routings["proxy_classes"] = {"scheduling": scheduling_section(scenario)}
     names = ["direct", *routings]
     arms = {name: Arm(name) for name in names}
     with tempfile.TemporaryDirectory() as tmp_s, contextlib.ExitStack() as stack:
@@ -320,6 +340,9 @@ def main() -> int:
                     drive(urls[name], arms[name], args.seconds, rng, args.servers)
                     print(f"round {r + 1} {name}: {len(arms[name].sent)} sent", flush=True)
                     time.sleep(1.0)
+            # Triton writes its traces 100 at a time and drops what is left at exit: over 100
+            # more requests per server push the last block's out.
+            drive(urls["direct"], Arm("flush"), 4.0, rng, args.servers)
         finally:
             for proc in proxies:
                 proc.send_signal(signal.SIGTERM)
