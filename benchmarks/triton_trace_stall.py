@@ -11,7 +11,8 @@ online 13 req/s (a tenth 512 tokens) at priority 2, offline 4.3 req/s of 4 x 512
 (``direct``, round robin over the servers), or through ``triton-proxy serve`` (``proxy``: round
 robin, no classes, the client's priority passed on: the benchmark's ``proxy_rr_priority``;
 ``--no-feedback`` adds an arm with instance feedback off, ``--classes`` one with `case.yaml`'s
-classes: its class gate, each kind's priority set by the proxy). Triton traces every request
+classes: its class gate, each kind's priority set by the proxy, ``--wake-ms`` one whose
+``routing.wake`` floor is that many milliseconds). Triton traces every request
 (``--trace-config level=TIMESTAMPS``), on the same monotonic clock as the sender, so each
 request's time splits into: send -> Triton's HTTP frontend starts reading it
 (``HTTP_RECV_START``) -> it enters the batcher's queue (``QUEUE_START``) -> its batch starts
@@ -302,11 +303,21 @@ def main() -> int:
     p.add_argument(
         "--classes", action="store_true", help="also a proxy arm with case.yaml's classes"
     )
+    p.add_argument(
+        "--wake-ms",
+        type=float,
+        help="also a proxy arm whose routing.wake judges an instance quiet after this long",
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
     routings: dict[str, dict[str, Any]] = {"proxy": {}}
     if args.no_feedback:
         routings["proxy_no_feedback"] = {"routing": {"feedback": {"enabled": False}}}
+    if args.wake_ms is not None:
+        # routing.wake sooner: an instance counts as quiet after this long without a send or
+        # an answer, looked for twice as often.
+        wake = {"min_quiet_ms": args.wake_ms, "scan_ms": args.wake_ms / 2}
+        routings[f"proxy_wake{args.wake_ms:g}"] = {"routing": {"wake": wake}}
     if args.classes:
         # case.yaml's classes as the benchmark's class arms set them: each kind's API key
         # (sent by every arm; Triton ignores it) picks its class, whose priority the proxy sets.
