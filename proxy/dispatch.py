@@ -266,7 +266,9 @@ class Dispatcher:
         is final: nothing retries it), before the proxy's own accounting of the request, so
         the frontend can write it to its client first; the same answer is returned as usual
         afterwards. At concurrency 1 that accounting was 0.03-0.05 ms of each request's
-        latency (docs/benchmarks.md, session 20)."""
+        latency (docs/benchmarks.md, session 20). So the request's gate slot, in-flight token
+        and byte-budget hold are released a moment after its client has the answer (in the
+        same step of the event loop, unless the send runs in a task of its own)."""
         arm = self.arm_for(call)
         klass = self.classify(call, arm)
         began = time.perf_counter()

@@ -91,6 +91,8 @@ async def test_a_class_capped_per_instance_never_exceeds_its_cap(triton_fleet: A
             await asyncio.sleep(0.3)
             realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
             statuses = await asyncio.gather(*offline)
+            # Tokens are released just after each answer is written (the dispatcher's deliver).
+            await until(lambda: all(i.class_in_flight == Counter() for i in p.runtime.fleet.all()))
         # Every request was served; the offline queue drained through one slot per server.
         assert set(statuses) == {200} and set(realtime) == {200}
         assert watch.dispatches["offline"] == 24
