@@ -76,17 +76,23 @@ def test_split_holds_and_each_arm_uses_its_own_routing(triton_servers: list[Trit
                 if m == "simple" and p == "round_robin"
             }
         )
-        by_arm = {
-            arm: sum(
-                s.value
-                for metric in rt.telemetry.requests.collect()
-                for s in metric.samples
-                if s.name.endswith("_total")
-                and s.labels["arm"] == arm
-                and s.labels["model"] == "simple"
-            )
-            for arm in (MAIN, CANARY)
-        }
+
+        def counted() -> dict[str, float]:
+            return {
+                arm: sum(
+                    s.value
+                    for metric in rt.telemetry.requests.collect()
+                    for s in metric.samples
+                    if s.name.endswith("_total")
+                    and s.labels["arm"] == arm
+                    and s.labels["model"] == "simple"
+                )
+                for arm in (MAIN, CANARY)
+            }
+
+        # A request is counted just after its answer is written (the dispatcher's deliver).
+        wait_for(lambda: sum(counted().values()) >= n)
+        by_arm = counted()
     after = settled_successes(triton_servers, "simple")
     received = {name: after[name] - before[name] for name in after}
     n_main, n_canary = sum(main.values()), sum(canary.values())
