@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import glob
 import json
+import math
 import random
 import signal
 import subprocess
@@ -61,7 +62,7 @@ from proxy.local.fleet import LocalFleet  # noqa: E402
 
 PARAMETERS = {"accel_sim": {"base_ms": 5, "per_token_us": 10}}
 QUEUE_DELAY_NS = 2_000_000  # accel_sim's max_queue_delay_microseconds
-# (kind, req/s, priority, rows, tokens: (low, high) or a fixed length, share of the kind)
+# (kind, req/s per server, priority, rows, then its sizes: ((fewest, most tokens), weight)...)
 MIX = (
     ("realtime", 19.0, 1, 1, ((8, 64), 1.0)),
     ("online", 13.0, 2, 1, ((8, 64), 0.9), ((512, 512), 0.1)),
@@ -197,9 +198,14 @@ def busy_union(traces: dict[str, dict[str, int]], server: int) -> list[tuple[int
     return merged
 
 
-def idle_within(busy: list[tuple[int, int]], a: int, b: int) -> int:
-    """Nanoseconds of [a, b] with no batch running."""
-    covered = sum(max(0, min(b, y) - max(a, x)) for x, y in busy if x < b and y > a)
+def idle_within(busy: list[tuple[int, int]], ends: list[int], a: int, b: int) -> int:
+    """Nanoseconds of [a, b] with no batch running (``busy``: sorted, disjoint spans;
+    ``ends``: their ends)."""
+    covered = 0
+    for x, y in busy[bisect.bisect_right(ends, a) :]:
+        if x >= b:
+            break
+        covered += min(b, y) - max(a, x)
     return max(0, b - a - covered)
 
 
@@ -222,14 +228,10 @@ def report(arm: Arm, traces: dict[str, dict[str, int]], stall_ms: float, servers
     errors = [s for s in arm.sent if s.error]
     for s in arm.sent:
         t = traces.get(s.rid)
-        if (
-            s.error
-            or t is None
-            or not {"HTTP_RECV_START", "QUEUE_START", "COMPUTE_START"} <= t.keys()
-        ):
+        if s.error or t is None or not t.keys() >= _NEEDED:
             continue
         q, c, server = t["QUEUE_START"], t["COMPUTE_START"], t["server"]
-        idle = idle_within(busy[server], q + QUEUE_DELAY_NS, c)
+        idle = idle_within(busy[server], ends[server], q + QUEUE_DELAY_NS, c)
         # The next request to enter its server's queue after this one: what woke the batcher?
         queue = arrivals[server]
         after = bisect.bisect_right(queue, q)
@@ -276,7 +278,7 @@ def report(arm: Arm, traces: dict[str, dict[str, int]], stall_ms: float, servers
         )
         lines.append(f"  {label:8s} P50/P99 ms: {cells}")
     for label, group in (("all", rows), ("stalled", stalled)):
-        gaps = [x["since_batch_end"] for x in group if x["since_batch_end"] == x["since_batch_end"]]
+        gaps = [x["since_batch_end"] for x in group if not math.isnan(x["since_batch_end"])]
         if gaps:
             near = sum(1 for g in gaps if g < 1.0) / len(gaps)
             lines.append(

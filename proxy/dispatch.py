@@ -303,7 +303,15 @@ class Dispatcher:
                     )
             request = _Request(
                 call,
-                *(arm, info, klass, send, stream, admit, upstream_cancels, holds_on_leave, deliver),
+                arm,
+                info,
+                klass,
+                send,
+                stream,
+                admit,
+                upstream_cancels,
+                holds_on_leave,
+                deliver,
             )
             instance, result = await self._serve(request, trace)
             instance_name = instance.name
