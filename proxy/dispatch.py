@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -201,6 +202,8 @@ class Dispatcher:
         """Told once about every finished request (telemetry and controllers subscribe)."""
         self.cancel_upstream = cancel_upstream
         """``limits.cancel_upstream``: honour client deadlines and departures."""
+        self.nudge = False
+        """``routing.wake.nudge``: keep a way to resend one short request per instance."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -478,8 +481,20 @@ class Dispatcher:
                 alone = not instance.model_in_flight.get(call.model)
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
+                    forward = self._forward(call, r.info, priority)
+                    resend = None
+                    if (
+                        self.nudge
+                        and not stream
+                        and not work.long
+                        and call.params.sequence_id is None
+                        and r.info is not None
+                        and not r.info.decoupled
+                    ):
+                        resend = functools.partial(r.send, instance, forward)
+                        instance.resend[call.model] = resend
                     try:
-                        result = await r.send(instance, self._forward(call, r.info, priority))
+                        result = await r.send(instance, forward)
                     except (asyncio.CancelledError, Exception) as exc:
                         # The client left, or its deadline passed in flight: Triton cancelled
                         # the call, and may still be running it.
@@ -489,6 +504,9 @@ class Dispatcher:
                         ):
                             await self._linger(r, sent_at, trace)
                         raise
+                    finally:
+                        if resend is not None and instance.resend.get(call.model) is resend:
+                            del instance.resend[call.model]
                     if r.deliver is not None:
                         r.deliver(result)
                     trace.alone = alone and instance.model_in_flight.get(call.model) == 1

@@ -7,9 +7,10 @@ running one's fleet state where instances are unchanged, then swaps one referenc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from proxy.aio import cancel_and_wait
 from proxy.budget import ByteBudget
@@ -37,7 +38,7 @@ from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
 from proxy.routing.occupancy import busy_shares
-from proxy.routing.wake import quiet_instances, scraped_batch_s
+from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.models import FanOutObserver, ModelGates
@@ -138,6 +139,7 @@ class Runtime:
         self.scraper.on_change = self.fleet.touch
         self._publisher: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
+        self._nudging: set[asyncio.Task[None]] = set()
         self._meter: asyncio.Task[None] | None = None
         # The leader worker shares its drain marks and class factors (proxy.workers).
         self._followers: FollowerReports | None = None
@@ -277,6 +279,7 @@ class Runtime:
         while True:
             wake = self.config.routing.wake  # read per tick: a reload may change it
             await asyncio.sleep(wake.scan_ms / 1e3)
+            self.dispatcher.nudge = wake.enabled and wake.nudge
             if wake.enabled:
                 self.fleet.quiet = quiet_instances(
                     self.fleet.instances.values(),
@@ -284,8 +287,21 @@ class Runtime:
                     self._quiet_after,
                     self._quiet_after_work if wake.by_work else None,
                 )
+                if wake.nudge:
+                    self._nudge()
             elif self.fleet.quiet:
                 self.fleet.quiet = {}
+
+    def _nudge(self) -> None:
+        """Send each quiet instance holding a short request a copy of it (routing.wake.nudge)."""
+        now = self.clock.now()
+        for inst, model, resend in nudge_targets(self.fleet.quiet, self.fleet.instances):
+            inst.woken_at = now  # judged again only once it has answered
+            self.fleet.quiet[model].discard(inst.name)  # woken: nothing to redirect there
+            self.telemetry.nudges.labels(inst.name).inc()
+            task = asyncio.get_running_loop().create_task(_dropped(resend()))
+            self._nudging.add(task)
+            task.add_done_callback(self._nudging.discard)
 
     async def _measure_occupancy(self) -> None:
         """Every ``SAMPLE_S``: the fleet's busy share per model (proxy.routing.occupancy)."""
@@ -510,7 +526,7 @@ class Runtime:
     async def stop(self) -> None:
         await self.control.stop()
         await self.leadership.stop()
-        await cancel_and_wait(self._publisher, self._waker, self._meter)
+        await cancel_and_wait(self._publisher, self._waker, self._meter, *self._nudging)
         self._publisher = self._waker = self._meter = None
         for gates in (self.gates, self.canary_gates):
             if gates is not None:
@@ -520,3 +536,9 @@ class Runtime:
         await self.health.stop()
         await self.upstreams.close()
         await self.grpc_upstreams.close()
+
+
+async def _dropped(send: Awaitable[object]) -> None:
+    """A nudge's answer, or its failure, is nobody's."""
+    with contextlib.suppress(Exception):
+        await send

@@ -135,6 +135,13 @@ class Telemetry:
             ["instance"],
             registry=r,
         )
+        self.nudges = Counter(
+            "triton_proxy_quiet_nudges",
+            "Copies of a short request sent to a quiet instance to wake Triton's batcher, their "
+            "answers dropped (routing.wake.nudge), by instance",
+            ["instance"],
+            registry=r,
+        )
         self.ejections = Counter(
             "triton_proxy_ejections",
             "Instances taken out of rotation (failed probe or connection), by instance",

@@ -7,7 +7,7 @@ exit path (success, error, cancellation) decrements exactly once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,9 @@ class Instance:
     """Clock time this proxy last sent a request of each model here (proxy.routing.wake)."""
     woken_at: float = float("-inf")
     """Clock time routing.wake last sent a request here instead of the policy's choice."""
+    resend: dict[str, Callable[[], Awaitable[object]]] = field(default_factory=dict)
+    """model -> a way to send again one short, stateless request of it in flight here
+    (``routing.wake.nudge``)."""
 
     def ahead_of(self, model: str, level: int | None) -> tuple[int, int]:
         """Requests of ``model`` in flight here that Triton serves no later than one at

@@ -40,6 +40,18 @@ P99.9 at light load, but left online's long rows where they were and cost real-t
 milliseconds at P99 (the short request that wakes a lane instance joins its padded batch),
 so it was removed.
 
+The nudge (``nudge``, opt-in): a quiet instance whose requests stay stalled until the next
+arrival gets that arrival from the proxy itself, at once, rather than from the next request of
+the fleet that placement redirects there (every 9 ms at ``case.yaml`` x0.25, by which time a
+stall has lasted a median 20 ms: docs/benchmarks.md, issue 10, nineteenth round). The
+dispatcher keeps, per instance and model, a way to send again one short, stateless request in
+flight there (``Instance.resend``: not a sequence, not a decoupled model, not a stream, not
+long); at each scan every quiet instance holding one is sent that copy (:func:`nudge_targets`),
+whose answer is dropped, and counts as woken (not judged again until it answers). Triton runs
+the copy in the batch it releases: one more row of a short request, and one more inference in
+Triton's own statistics. **A model whose requests must not run twice must not be nudged**:
+that is why it is off by default. Measured: docs/benchmarks.md, issue 10, twentieth round.
+
 ``by_work`` (issue 10, fifteenth round) replaced the full-batch rule, which judged every
 instance by twice a full batch of the model's typical requests (about 36 ms in
 ``long_share.yaml``), while a stalled instance usually holds one to three short requests (a
@@ -53,7 +65,7 @@ requests waited 20 ms less at x1 and x2 of ``long_share.yaml`` (33 against 55 ms
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,6 +92,11 @@ class WakeParams:
     same P99 at x1 (docs/benchmarks.md, issue 10, sixth round)."""
     scan_ms: float = 10.0
     """How often the proxy looks for quiet instances."""
+    nudge: bool = False
+    """Send each quiet instance a copy of one short, stateless request it holds (its answer
+    dropped): its arrival wakes the batcher at once (module doc). Runs some requests twice in
+    Triton, hence opt-in; the ``+nudge`` arms of the benchmark set it with a 6 ms floor,
+    margin 1.5 and a 3 ms scan."""
     by_work: bool = True
     """Judge an instance without long work by the expected time of what it has in flight
     rather than by a full batch of the model's typical requests (module doc)."""
@@ -143,3 +160,21 @@ def quiet_instances(
             if now - max(sent, inst.last_answer_at) >= after:
                 quiet.setdefault(model, set()).add(inst.spec.name)
     return quiet
+
+
+def nudge_targets(
+    quiet: Mapping[str, set[str]], instances: Mapping[str, Instance]
+) -> list[tuple[Instance, str, Callable[[], Awaitable[object]]]]:
+    """(instance, model, resend) for each quiet instance that holds a short, stateless
+    request of the model it is quiet for (``Instance.resend``, kept by the dispatcher while
+    ``nudge`` is on), in name order; an instance quiet for several models is nudged for one."""
+    out = []
+    seen: set[str] = set()
+    for model in sorted(quiet):
+        for name in sorted(quiet[model]):
+            inst = instances.get(name)
+            resend = inst.resend.get(model) if inst is not None else None
+            if inst is not None and resend is not None and name not in seen:
+                seen.add(name)
+                out.append((inst, model, resend))
+    return out

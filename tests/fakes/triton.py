@@ -12,7 +12,8 @@ client sees through the proxy, while no fault is set, a 5xx of the proxy's own m
 Failure modes a test can set:
 
 - :class:`Fault` on inference calls (HTTP and gRPC): answer a status, close the connection
-  before answering, delay, or hang until released;
+  before answering, delay, hang until released, or stall until the next request for the model
+  arrives (as Triton's dynamic batcher can: docs/triton-notes.md);
 - ``ready`` / ``model_ready``: the server's or one model's readiness;
 - :meth:`FakeTriton.freeze` / :meth:`FakeTriton.thaw`: every call hangs (health included), as
   under SIGSTOP; :meth:`FakeTriton.kill` / :meth:`FakeTriton.restart`: listeners and all open
@@ -146,11 +147,12 @@ class Fault:
     ``kind``: ``status`` answers ``status`` with ``message`` (gRPC: the matching code);
     ``close`` drops the connection before answering (gRPC: the call is aborted UNAVAILABLE
     with a transport-like message); ``delay`` waits ``delay_s`` then answers normally;
-    ``hang`` waits until :meth:`FakeTriton.release` (or kill). ``models`` limits it to those
+    ``hang`` waits until :meth:`FakeTriton.release` (or kill); ``stall`` waits until the next
+    inference call for the same model reaches this fake. ``models`` limits it to those
     models; ``count`` to that many calls (None: every call).
     """
 
-    kind: Literal["status", "close", "delay", "hang"]
+    kind: Literal["status", "close", "delay", "hang", "stall"]
     status: int = 503
     message: str = "fake fault"
     delay_s: float = 0.0
@@ -316,6 +318,7 @@ class FakeTriton:
         self._thawed = asyncio.Event()
         self._thawed.set()
         self._released = asyncio.Event()
+        self._arrivals: dict[str, asyncio.Event] = {}
 
     # --- the proxy's view ---------------------------------------------------------------
     @property
@@ -357,6 +360,15 @@ class FakeTriton:
     def release(self) -> None:
         """Let every call hanging on a ``hang`` fault go on."""
         self.loop.call_soon_threadsafe(self._released.set)
+
+    def _arrived(self, model: str) -> asyncio.Event:
+        """An inference call for ``model`` arrived: calls stalled on it go on; the event the
+        next arrival sets."""
+        earlier = self._arrivals.get(model)
+        if earlier is not None:
+            earlier.set()
+        event = self._arrivals[model] = asyncio.Event()
+        return event
 
     def _take_fault(self, model: str | None) -> Fault | None:
         with self._lock:
@@ -527,8 +539,12 @@ class FakeTriton:
         return _error(404, "Not Found")
 
     async def _apply_fault(self, request: web.Request, model: str) -> web.StreamResponse | None:
+        next_arrival = self._arrived(model)
         fault = self._take_fault(model)
         if fault is None:
+            return None
+        if fault.kind == "stall":
+            await next_arrival.wait()
             return None
         if fault.kind == "delay":
             await asyncio.sleep(fault.delay_s)
@@ -702,10 +718,13 @@ class FakeTriton:
         return reply
 
     async def _grpc_fault(self, model: str, context: Any) -> None:
+        next_arrival = self._arrived(model)
         fault = self._take_fault(model)
         if fault is None:
             return
-        if fault.kind == "delay":
+        if fault.kind == "stall":
+            await next_arrival.wait()
+        elif fault.kind == "delay":
             await asyncio.sleep(fault.delay_s)
         elif fault.kind == "hang":
             await self._released.wait()

@@ -11,7 +11,7 @@ from proxy.fleet.instances import Work
 from proxy.routing.base import RouteRequest
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
-from proxy.routing.wake import WakeParams, quiet_instances, scraped_batch_s
+from proxy.routing.wake import WakeParams, nudge_targets, quiet_instances, scraped_batch_s
 from tests.unit.test_routing_view import least_requests_placement, world
 
 BATCH_S = 0.010
@@ -187,3 +187,24 @@ def test_without_a_learned_curve_the_batch_time_comes_from_tritons_compute_time(
     assert scraped_batch_s([12_000.0, None, 30_000.0]) == pytest.approx(0.030)
     assert scraped_batch_s([None, 0.0]) is None  # nothing reported: never judged
     assert scraped_batch_s([]) is None
+
+
+def test_nudge_targets_are_the_quiet_instances_holding_a_request_to_resend() -> None:
+    with world(1, 3) as w:
+        t0, t1, t2 = (w.fleet.get(n) for n in ("t0", "t1", "t2"))
+
+        async def again() -> None:
+            return None
+
+        t0.resend["m"] = again
+        t1.resend["other"] = again  # quiet for "m", but holds nothing of it to resend
+        t2.resend["m"] = t2.resend["n"] = again
+        quiet = {"m": {"t0", "t1", "t2"}, "n": {"t2"}}
+        got = [
+            (inst.name, model, resend)
+            for inst, model, resend in nudge_targets(quiet, w.fleet.instances)
+        ]
+        # t2 is quiet for two models: one copy wakes its batcher for one of them; the other
+        # model's stalled requests still have the redirect (and the next scan).
+        assert got == [("t0", "m", again), ("t2", "m", again)]
+        assert nudge_targets({}, w.fleet.instances) == []

@@ -1,0 +1,141 @@
+"""``routing.wake.nudge`` against fakes that stall as Triton's dynamic batcher can: a request
+left queued on an idle instance until the next request for its model arrives
+(docs/triton-notes.md, "Dynamic batcher"). The nudge is that arrival: a copy of a short,
+stateless request the quiet instance holds, its answer dropped."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.fakes.triton import FakeFleet, Fault
+from tests.integration.harness import ProxyThread
+from tests.middle.conftest import (
+    ProxyFactory,
+    grpc_inputs,
+    http_inputs,
+    infer_doc,
+    port_of,
+    raw,
+    wait_for,
+)
+
+WAKE = {"min_quiet_ms": 20, "scan_ms": 5, "margin": 1.0}
+"""Quiet 20 ms after the last send or answer (the fakes answer in about a millisecond)."""
+
+
+def policy(nudge: bool) -> dict[str, Any]:
+    return {
+        "routing": {"policy": {"name": "round_robin"}, "wake": {**WAKE, "nudge": nudge}},
+        "limits": {"connect_timeout_s": 1.0, "request_timeout_s": 30},
+    }
+
+
+def nudges(proxy: ProxyThread) -> int:
+    registry = proxy.runtime.telemetry.registry
+    return int(
+        sum(
+            registry.get_sample_value("triton_proxy_quiet_nudges_total", {"instance": i.name}) or 0
+            for i in proxy.runtime.fleet.all()
+        )
+    )
+
+
+def warm(proxy: ProxyThread) -> None:
+    """Requests that run alone, so the proxy learns the model's batch time (an instance is
+    judged quiet only against a known one)."""
+    port = port_of(proxy)
+    body = json.dumps(infer_doc()).encode()
+    for _ in range(12):
+        assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
+    wait_for(
+        lambda: proxy.runtime.dispatcher.costs.seconds("simple", 32) is not None,
+        what="the learned batch time",
+    )
+
+
+def stall_everywhere(fakes: FakeFleet, model: str) -> None:
+    for fake in fakes.servers:
+        fake.faults.append(Fault("stall", models=frozenset({model}), count=1))
+
+
+def in_thread(send: Any) -> tuple[threading.Thread, list[Any]]:
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(send()), daemon=True)
+    t.start()
+    return t, got
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_stalled_request_is_released_by_a_copy_and_answered_once(
+    proxy_on: ProxyFactory, fakes: FakeFleet, protocol: str
+) -> None:
+    with proxy_on(policy(nudge=True)) as proxy:
+        warm(proxy)
+        stall_everywhere(fakes, "simple")
+        before = [len(f.inferences()) for f in fakes.servers]
+        started = time.monotonic()
+        if protocol == "http":
+            with httpclient.InferenceServerClient(f"127.0.0.1:{port_of(proxy)}") as c:
+                answer = c.infer("simple", http_inputs())
+        else:
+            assert proxy.ports is not None
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{proxy.ports.grpc}") as c:
+                answer = c.infer("simple", grpc_inputs())
+        took = time.monotonic() - started
+        assert answer.as_numpy("OUTPUT0") is not None
+        assert took < 5.0, f"the stalled request waited {took:.1f} s"
+        assert nudges(proxy) == 1
+        # The request and its copy reached the same instance; the client got one answer.
+        wait_for(lambda: sum(len(f.inferences()) for f in fakes.servers) == sum(before) + 2)
+        added = [len(f.inferences()) - n for f, n in zip(fakes.servers, before, strict=True)]
+        assert sorted(added) == [0, 0, 2], added
+
+
+def test_without_the_nudge_a_stalled_request_waits_for_the_next_arrival(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    """The control: the fakes' stall holds the request until another request arrives."""
+    with proxy_on(policy(nudge=False)) as proxy:
+        warm(proxy)
+        stall_everywhere(fakes, "simple")
+        body = json.dumps(infer_doc()).encode()
+        port = port_of(proxy)
+        t, got = in_thread(lambda: raw(port, "POST", "/v2/models/simple/infer", [], body).status)
+        t.join(0.5)
+        assert t.is_alive() and not got, "the stall did not hold the request"
+        for fake in fakes.servers:  # only the request already held stays stalled
+            fake.faults.clear()
+        # The next requests: round robin (or the wake) sends one to the stalled one's fake.
+        for _ in range(3):
+            assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
+        t.join(5)
+        assert got == [200]
+        assert nudges(proxy) == 0
+
+
+def test_a_sequence_request_is_never_copied(proxy_on: ProxyFactory, fakes: FakeFleet) -> None:
+    with proxy_on(policy(nudge=True)) as proxy:
+        warm(proxy)
+        stall_everywhere(fakes, "seq")
+        port = port_of(proxy)
+        start = json.dumps(infer_doc({"sequence_id": 9, "sequence_start": True}, 0)).encode()
+        t, got = in_thread(lambda: raw(port, "POST", "/v2/models/seq/infer", [], start).status)
+        t.join(0.5)
+        assert t.is_alive() and not got
+        assert nudges(proxy) == 0
+        seen = [r for f in fakes.servers for r in f.inferences() if r.path.endswith("/seq/infer")]
+        assert len(seen) == 1, "a sequence step reached Triton twice"
+        for fake in fakes.servers:  # end the stall the way Triton's would end
+            fake.faults.clear()
+        other = json.dumps(infer_doc({"sequence_id": 10, "sequence_start": True}, 0)).encode()
+        for _ in range(3):
+            assert raw(port, "POST", "/v2/models/seq/infer", [], other).status == 200
+        t.join(5)
+        assert got == [200]
