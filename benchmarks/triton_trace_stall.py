@@ -12,9 +12,12 @@ online 13 req/s (a tenth 512 tokens) at priority 2, offline 4.3 req/s of 4 x 512
 robin, no classes, the client's priority passed on: the benchmark's ``proxy_rr_priority``;
 ``--no-feedback`` adds an arm with instance feedback off, ``--classes`` one with `case.yaml`'s
 classes: its class gate, each kind's priority set by the proxy, ``--wake-ms`` one whose
-``routing.wake`` floor is that many milliseconds). Triton traces every request
-(``--trace-config level=TIMESTAMPS``), on the same monotonic clock as the sender, so each
-request's time splits into: send -> Triton's HTTP frontend starts reading it
+``routing.wake`` floor is that many milliseconds, ``--nudge-ms`` one that also nudges quiet
+instances: ``routing.wake.nudge``, margin 1.5; a nudge's copy carries its request's id, so
+Triton's timestamps of a nudged request, about 1 % of them, mix the two, while the latency the
+client measured does not; the proxies' wake and nudge counts are printed). Triton traces
+every request (``--trace-config level=TIMESTAMPS``), on the same monotonic clock as the
+sender, so each request's time splits into: send -> Triton's HTTP frontend starts reading it
 (``HTTP_RECV_START``) -> it enters the batcher's queue (``QUEUE_START``) -> its batch starts
 (``COMPUTE_START``) -> ends -> the client has the answer. A request *stalled* when it waited in
 the queue over ``--stall-ms`` with no batch running.
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,6 +314,12 @@ def main() -> int:
         type=float,
         help="also a proxy arm whose routing.wake judges an instance quiet after this long",
     )
+    p.add_argument(
+        "--nudge-ms",
+        type=float,
+        help="also a proxy arm whose routing.wake judges an instance quiet after this long "
+        "(margin 1.5) and sends it a copy of a short request it holds (nudge)",
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
     routings: dict[str, dict[str, Any]] = {"proxy": {}}
@@ -320,6 +330,9 @@ def main() -> int:
         # an answer, looked for twice as often.
         wake = {"min_quiet_ms": args.wake_ms, "scan_ms": args.wake_ms / 2}
         routings[f"proxy_wake{args.wake_ms:g}"] = {"routing": {"wake": wake}}
+    if args.nudge_ms is not None:
+        wake = {"min_quiet_ms": args.nudge_ms, "scan_ms": args.nudge_ms / 2, "margin": 1.5}
+        routings[f"proxy_nudge{args.nudge_ms:g}"] = {"routing": {"wake": {**wake, "nudge": True}}}
     if args.classes:
         # case.yaml's classes as the benchmark's class arms set them: each kind's API key
         # (sent by every arm; Triton ignores it) picks its class, whose priority the proxy sets.
@@ -342,10 +355,12 @@ def main() -> int:
         http_urls = [fleet.servers[0].http_url for fleet in fleets]
         urls = {"direct": [u.removeprefix("http://") for u in http_urls]}
         proxies = []
+        logs = []
         try:
             for name, routing in routings.items():
                 proc, url = start_proxy(http_urls, tmp, name, routing)
                 proxies.append(proc)
+                logs.append(tmp / f"{name}.log")
                 urls[name] = [url]
                 drive(urls[name], Arm("warm"), 2.0, rng, args.servers)
             for r in range(args.rounds):
@@ -356,6 +371,8 @@ def main() -> int:
             # Triton writes its traces 100 at a time and drops what is left at exit: over 100
             # more requests per server push the last block's out.
             drive(urls["direct"], Arm("flush"), 4.0, rng, args.servers)
+            for name, log in zip(routings, logs, strict=True):
+                print(f"{name}: {_wake_counts(log)}", flush=True)
         finally:
             for proc in proxies:
                 proc.send_signal(signal.SIGTERM)
@@ -373,6 +390,21 @@ def main() -> int:
         " running); batch: -> COMPUTE_END; back: -> the client has the answer"
     )
     return 0
+
+
+def _wake_counts(log: Path) -> str:
+    """The proxy's routing.wake counters (redirected requests, nudges), from its /metrics."""
+    url = next(
+        line.split()[-1] for line in log.read_text().splitlines() if "/metrics" in line
+    ).replace("localhost", "127.0.0.1")
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        page = answer.read().decode()
+    totals: dict[str, float] = {}
+    for line in page.splitlines():
+        for name in ("triton_proxy_quiet_wakes_total", "triton_proxy_quiet_nudges_total"):
+            if line.startswith(name + "{"):
+                totals[name] = totals.get(name, 0.0) + float(line.split()[-1])
+    return ", ".join(f"{k.removeprefix('triton_proxy_quiet_')} {v:g}" for k, v in totals.items())
 
 
 def _trace_args(trace: Path) -> list[str]:

@@ -12,7 +12,8 @@ Every arm sends the same schedule to the same local Triton servers:
   client's priority passed on as sent): the same decisions as ``rr_priority``, so the
   difference between the two is what the proxy itself costs at that load (the sweep reports
   it, :mod:`proxy.bench.sweep`); ``+no_feedback`` with instance feedback off (the weight
-  cut for an instance whose queue wait stays high, on by default);
+  cut for an instance whose queue wait stays high, on by default); ``+nudge`` with
+  ``routing.wake.nudge`` (:data:`NUDGE_WAKE`);
 - ``proxy_<policy>+classes``: the same with a ``scheduling:`` section built from the
   scenario's classes (:func:`scheduling_section`): class queues, Triton priority per class,
   API keys deciding the class, everything else the policy file's defaults;
@@ -43,7 +44,8 @@ Every arm sends the same schedule to the same local Triton servers:
   before the fifteenth round); ``+wake_work10``: its floor at 10 ms; ``+light``: the lane
   packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``);
   ``+light_alone``: below it, long work also avoids more important work (``spread_alone``);
-  ``+light_wake10``: ``+light`` with ``+wake_work10``'s wake.
+  ``+light_wake10``: ``+light`` with ``+wake_work10``'s wake; ``+nudge``: the wake sends a
+  quiet instance a copy of a short request it holds (:data:`NUDGE_WAKE`).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -113,6 +115,11 @@ PACK_ABOVE = 0.5
 """``pack_above`` of ``proxy_shallow_lane+light``: the lane packs long work only while at
 least half of the model's instances hold work (``proxy.routing.occupancy``)."""
 
+
+NUDGE_WAKE = {"min_quiet_ms": 6, "scan_ms": 3, "margin": 1.5, "nudge": True}
+"""``routing.wake`` of the ``+nudge`` arms: quiet after 1.5 expected batch times of what the
+instance holds (never under 6 ms), looked for every 3 ms; stalled requests waited a median
+20 ms idle without it (docs/benchmarks.md, nineteenth round)."""
 
 UNCAPPED_LANE_DEPTHS = (2, 4)
 """``lane_depth`` of the ``proxy_shallow_lane+depth<N>`` arms. The default, 2 x
@@ -200,6 +207,13 @@ def _catalog() -> dict[str, ArmPlan]:
             description="proxy_rr_priority with instance feedback off (no weight cut for an "
             "instance whose queue wait stays high)",
             routing={"feedback": {"enabled": False}},
+        ),
+        replace(
+            rr_through,
+            name="proxy_rr_priority+nudge",
+            description="proxy_rr_priority whose wake sends a quiet instance a copy of a "
+            "short request it holds (routing.wake.nudge)",
+            routing={"wake": NUDGE_WAKE},
         ),
     ]
     plans += [
@@ -380,8 +394,16 @@ def _catalog() -> dict[str, ArmPlan]:
         description="proxy_shallow_lane+light with the wake's floor at 10 ms, scanned every 5 ms",
         routing=wake_work10.routing,
     )
+    nudge = replace(
+        shallow,
+        name="proxy_shallow_lane+nudge",
+        description="proxy_shallow_lane whose wake sends a quiet instance a copy of a short "
+        "request it holds (routing.wake.nudge)",
+        routing={"wake": NUDGE_WAKE},
+    )
     at = plans.index(shallow) + 1
     plans[at:at] = [
+        nudge,
         quiet,
         alone,
         alone2,
