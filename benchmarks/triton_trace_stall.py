@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpu_ab import proxy_target, spawn_proxy  # noqa: E402
 
-from proxy.bench.arms import scheduling_section  # noqa: E402
+from proxy.bench.arms import NUDGE_WAKE, scheduling_section  # noqa: E402
 from proxy.bench.fleet import bench_repository  # noqa: E402
 from proxy.bench.scenario import load_scenario  # noqa: E402
 from proxy.local.fleet import LocalFleet  # noqa: E402
@@ -317,8 +317,8 @@ def main() -> int:
     p.add_argument(
         "--nudge-ms",
         type=float,
-        help="also a proxy arm whose routing.wake judges an instance quiet after this long "
-        "(margin 1.5) and sends it a copy of a short request it holds (nudge)",
+        help="also a proxy arm with the benchmark's +nudge wake (NUDGE_WAKE) but this floor: it "
+        "sends a quiet instance a copy of a short request it holds",
     )
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -331,8 +331,9 @@ def main() -> int:
         wake = {"min_quiet_ms": args.wake_ms, "scan_ms": args.wake_ms / 2}
         routings[f"proxy_wake{args.wake_ms:g}"] = {"routing": {"wake": wake}}
     if args.nudge_ms is not None:
-        wake = {"min_quiet_ms": args.nudge_ms, "scan_ms": args.nudge_ms / 2, "margin": 1.5}
-        routings[f"proxy_nudge{args.nudge_ms:g}"] = {"routing": {"wake": {**wake, "nudge": True}}}
+        # The benchmark's +nudge arms, with this floor, scanned twice as often.
+        wake = {**NUDGE_WAKE, "min_quiet_ms": args.nudge_ms, "scan_ms": args.nudge_ms / 2}
+        routings[f"proxy_nudge{args.nudge_ms:g}"] = {"routing": {"wake": wake}}
     if args.classes:
         # case.yaml's classes as the benchmark's class arms set them: each kind's API key
         # (sent by every arm; Triton ignores it) picks its class, whose priority the proxy sets.
