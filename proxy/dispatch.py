@@ -37,6 +37,7 @@ from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, Upstre
 from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
+from proxy.routing.batcher import BatcherModel
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 from proxy.scheduling.cost import CostModel
 
@@ -197,6 +198,7 @@ class Dispatcher:
         self.on_lost = on_lost
         """Called when a connection to an instance failed or broke (reset its pool)."""
         self.costs = costs if costs is not None else CostModel()
+        self._batchers: dict[str, tuple[tuple[float, float], ModelInfo, BatcherModel]] = {}
         """Per-model request costs and service-time curves, learned from this traffic."""
         self.observer = observer
         """Told once about every finished request (telemetry and controllers subscribe)."""
@@ -451,11 +453,38 @@ class Dispatcher:
                 "class_cap": cap,
                 "batch": max(1, batch),
                 "occupancy": self.fleet.occupancy.get(call.model),
+                "rows": call.rows,
+                "batcher": self._batcher(call.model, r.info),
+                "now": self.fleet.clock.now(),
             }
         )
-        return Placing(
-            request, Work(class_name=klass, level=level, long=long, cost=call.cost), arm.placement
+        work = Work(class_name=klass, level=level, long=long, cost=call.cost, rows=call.rows)
+        return Placing(request, work, arm.placement)
+
+    def _batcher(self, model: str, info: ModelInfo | None) -> BatcherModel | None:
+        """The model's batcher and learned cost curve for the replay of
+        ``proxy.routing.batcher``; None without a dynamic batcher or before the curve is
+        learned. Rebuilt only when the curve changes (``CostModel.curve`` returns the same
+        tuple until the model's next timing)."""
+        if info is None or info.max_queue_delay_s is None:
+            return None
+        curve = self.costs.curve(model)
+        if curve is None:
+            return None
+        cached = self._batchers.get(model)
+        if cached is not None and cached[0] is curve and cached[1] is info:
+            return cached[2]
+        delay = info.max_queue_delay_s
+        batcher = BatcherModel(
+            max_batch=max(1, info.max_batch_size),
+            delay_s=delay,
+            # The curve is fit on requests that ran alone: each waited the queue delay first.
+            base_s=max(0.0, curve[0] - delay),
+            per_unit_s=curve[1],
+            default_level=info.default_priority_level,
         )
+        self._batchers[model] = (curve, info, batcher)
+        return batcher
 
     async def _send(
         self,

@@ -25,6 +25,9 @@ SlotLimit = Callable[[str, str], int | None]
 """(instance name, model) -> requests of the model the instance may hold, or None (no bound)"""
 
 
+_NEVER = float("-inf")
+
+
 def _no_snapshot(name: str) -> InstanceSnapshot | None:
     return None
 
@@ -139,6 +142,8 @@ class FleetPlacement:
                     "above": above,
                     "long_in_flight": inst.long_in_flight.get(model, 0),
                     "class_in_flight": in_class,
+                    "flights": inst.flights.get(model),
+                    "answered_at": inst.answered_at.get(model, _NEVER),
                 }
             )
             # The filter level: ``2 * (no free slot) + (the class at its per-instance cap)``.

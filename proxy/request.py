@@ -77,6 +77,8 @@ class Call:
     session_key: str | None = None
     cost: float = 1.0
     """Estimated work: rows x longest dimension of the batched inputs (1 when unknown)."""
+    rows: int = 1
+    """Rows of the costliest input (``proxy.scheduling.cost.rows_of``)."""
     deadline: float | None = None
     """Clock time after which the client no longer waits (gRPC deadline, KServe ``timeout``,
     or the HTTP deadline header), or None."""

@@ -45,7 +45,11 @@ Every arm sends the same schedule to the same local Triton servers:
   packs only while the fleet's occupancy is at least :data:`PACK_ABOVE` (``pack_above``);
   ``+light_alone``: below it, long work also avoids more important work (``spread_alone``);
   ``+light_wake10``: ``+light`` with ``+wake_work10``'s wake; ``+nudge``: the wake sends a
-  quiet instance a copy of a short request it holds (:data:`NUDGE_WAKE`).
+  quiet instance a copy of a short request it holds (:data:`NUDGE_WAKE`);
+- ``proxy_expected_finish``: ``expected_finish`` (``proxy.routing.batcher``: each request
+  where a replay of the instance's Triton batcher over the proxy's requests in flight there
+  finishes it soonest) + classes, the lowest class at ``max_per_instance`` 8, 64 slots per
+  instance counted by rank; ``+nudge`` with :data:`NUDGE_WAKE`.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -300,6 +304,17 @@ def _catalog() -> dict[str, ArmPlan]:
             scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
         ),
         ArmPlan(
+            "proxy_expected_finish",
+            "proxy",
+            "triton-proxy, expected_finish (each request where a replay of the instance's "
+            "batcher finishes it soonest) + classes; lowest class max_per_instance "
+            f"{LANE_DEPTH}; concurrency {LANE_CONCURRENCY}, slot_sharing by_rank",
+            policy="expected_finish",
+            classes=True,
+            lowest_max_per_instance=LANE_DEPTH,
+            scheduling={"concurrency": LANE_CONCURRENCY, "slot_sharing": "by_rank"},
+        ),
+        ArmPlan(
             "proxy_long_lane+adaptive",
             "proxy",
             "proxy_long_lane with adaptive concurrency on (from 32 slots, up to 64)",
@@ -400,6 +415,17 @@ def _catalog() -> dict[str, ArmPlan]:
         description="proxy_shallow_lane whose wake sends a quiet instance a copy of a short "
         "request it holds (routing.wake.nudge)",
         routing={"wake": NUDGE_WAKE},
+    )
+    finish = next(p for p in plans if p.name == "proxy_expected_finish")
+    plans.insert(
+        plans.index(finish) + 1,
+        replace(
+            finish,
+            name="proxy_expected_finish+nudge",
+            description="proxy_expected_finish whose wake sends a quiet instance a copy of a "
+            "short request it holds (routing.wake.nudge)",
+            routing={"wake": NUDGE_WAKE},
+        ),
     )
     at = plans.index(shallow) + 1
     plans[at:at] = [

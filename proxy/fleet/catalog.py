@@ -34,6 +34,9 @@ class ModelInfo:
     """``dynamic_batching.default_queue_policy.allow_timeout_override``."""
     level_timeout_override: tuple[tuple[int, bool], ...] = ()
     """``allow_timeout_override`` of each level with its own ``priority_queue_policy``."""
+    max_queue_delay_s: float | None = None
+    """``dynamic_batching.max_queue_delay_microseconds`` in seconds; None without a dynamic
+    batcher."""
 
     def honours_timeout(self, priority: int | None) -> bool:
         """Whether Triton applies a request's ``timeout`` at this priority (None: unset).
@@ -97,6 +100,9 @@ def model_info(config: dict[str, Any]) -> ModelInfo:
         timeout_override=dynamic is not None
         and bool((batching.get("default_queue_policy") or {}).get("allow_timeout_override")),
         level_timeout_override=_timeout_overrides(batching) if dynamic is not None else (),
+        max_queue_delay_s=int(batching.get("max_queue_delay_microseconds") or 0) / 1e6
+        if dynamic is not None
+        else None,
     )
 
 

@@ -145,6 +145,9 @@ class Work:
     long: bool = False
     cost: float = 0.0
     """The request's estimated cost (rows x longest dimension, proxy.scheduling.cost)."""
+    rows: int = 1
+    """Its rows (the batch dimension of its costliest input): ``cost / rows`` is the length
+    a batch it joins is padded to."""
 
 
 NO_WORK = Work()
@@ -193,6 +196,12 @@ class Instance:
     resend: dict[str, Callable[[], Awaitable[object]]] = field(default_factory=dict)
     """model -> a way to send again one short, stateless request of it in flight here
     (``routing.wake.nudge``)."""
+    flights: dict[str, dict[int, tuple[float, Work]]] = field(default_factory=dict)
+    """model -> the requests in flight here, ``(sent at, work)`` by token: what the replay
+    of Triton's batcher reads (``proxy.routing.batcher``). A model's dict, once made, stays:
+    routing candidates hold it."""
+    answered_at: dict[str, float] = field(default_factory=dict)
+    """model -> clock time a request of it last finished here."""
 
     def ahead_of(self, model: str, level: int | None) -> tuple[int, int]:
         """Requests of ``model`` in flight here that Triton serves no later than one at
@@ -261,9 +270,14 @@ class Tracked:
             counter[key] = counter.get(key, 0) + 1
         costs = instance.cost_in_flight
         costs[model] = costs.get(model, 0.0) + work.cost
+        now = instance.last_sent[model] = fleet.clock.now()
         if self._stream:
             instance.streams += 1
-        instance.last_sent[model] = fleet.clock.now()
+        else:  # a stream is not one batch of Triton's: the replay leaves it out
+            flights = instance.flights.get(model)
+            if flights is None:
+                flights = instance.flights[model] = {}
+            flights[id(self)] = (now, work)
         quiet = fleet.quiet.get(model)
         if quiet:
             quiet.discard(instance.name)
@@ -285,6 +299,9 @@ class Tracked:
             del costs[model]
         if self._stream:
             instance.streams -= 1
+        else:
+            del instance.flights[model][id(self)]
+            instance.answered_at[model] = self._fleet.clock.now()
         self._fleet.journal.append(instance.name)
 
 

@@ -40,7 +40,7 @@ from proxy.h2.server import H2GrpcServer
 from proxy.request import NO_FORWARD, Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
-from proxy.scheduling.cost import check_shapes, cost_of
+from proxy.scheduling.cost import check_shapes, cost_of, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ class GrpcFrontend:
             params=params,
             session_key=rt.session_key(headers),
             cost=cost_of(shapes),
+            rows=rows_of(shapes),
             deadline=deadline.client_deadline(
                 rt.clock.now(), grpc_remaining_s=time_remaining, timeout_us=params.timeout_us
             ),

@@ -44,7 +44,7 @@ from proxy.frontends.routes import ADMIN_KINDS, INFERENCE_KINDS, Kind, Route
 from proxy.request import Call, Forward
 from proxy.runtime import Runtime
 from proxy.scheduling import deadline
-from proxy.scheduling.cost import check_shapes, cost_of, http_shapes
+from proxy.scheduling.cost import check_shapes, cost_of, http_shapes, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,7 @@ class HttpFrontend:
             params=params,
             session_key=rt.session_key(request.headers),
             cost=cost_of(shapes),
+            rows=rows_of(shapes),
             # Most requests carry no deadline: no clock read then.
             deadline=None
             if params.timeout_us is None and timeout_header is None

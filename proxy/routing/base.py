@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.fleet.snapshot import NO_LOAD, InstanceSnapshot, ModelLoad
 
 if TYPE_CHECKING:
+    from proxy.fleet.instances import Work
+    from proxy.routing.batcher import BatcherModel
     from proxy.routing.view import ModelView
 
 
@@ -51,6 +53,11 @@ class Candidate:
     """Long requests of the model in flight here (see :class:`RouteRequest.long`)."""
     class_in_flight: int = 0
     """Requests of the model and the request's class in flight here."""
+    flights: Mapping[int, tuple[float, Work]] | None = None
+    """The requests of the model in flight here, ``(sent at, work)`` (live: the instance's
+    own record, :attr:`proxy.fleet.instances.Instance.flights`); None when not known."""
+    answered_at: float = float("-inf")
+    """Clock time a request of the model last finished here."""
 
     def load(self, model: str) -> ModelLoad:
         return self.snapshot.model(model) if self.snapshot is not None else NO_LOAD
@@ -101,6 +108,13 @@ class RouteRequest:
     occupancy: float = 1.0
     """Smoothed share of the model's instances with work in flight, 0..1
     (``proxy.routing.occupancy``); 1.0 when not measured."""
+    rows: int = 1
+    """Rows of the request (``cost / rows``: the length its batch is padded to)."""
+    batcher: BatcherModel | None = None
+    """The model's batcher and cost curve (``proxy.routing.batcher``); None until the curve
+    is learned, or without a dynamic batcher."""
+    now: float = 0.0
+    """Clock time of the decision (what the batcher replay predicts from)."""
 
     @staticmethod
     def fast(fields: dict[str, Any]) -> RouteRequest:

@@ -8,6 +8,7 @@ from typing import Any, Final
 
 from proxy.routing import (
     consistent_hash,
+    expected_finish,
     expected_start,
     least_connections,
     least_requests,
@@ -28,6 +29,7 @@ POLICIES: Final[Mapping[str, PolicyFactory]] = {
     "p2c": p2c.factory,
     "consistent_hash": consistent_hash.factory,
     "expected_start": expected_start.factory,
+    "expected_finish": expected_finish.factory,
 }
 
 

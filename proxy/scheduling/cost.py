@@ -47,6 +47,15 @@ def cost_of(shapes: Sequence[Sequence[int]]) -> float:
     return min(_MAX_COST, max(map(shape_cost, shapes)))
 
 
+def rows_of(shapes: Sequence[Sequence[int]]) -> int:
+    """The rows (first dimension) of the costliest input: with :func:`cost_of`, ``cost / rows``
+    is the length a batch the request joins is padded to (1 without a readable shape)."""
+    if not shapes:
+        return 1
+    costliest = max(shapes, key=shape_cost)
+    return max(1, costliest[0]) if costliest else 1
+
+
 def http_shapes(json_header: bytes) -> list[tuple[int, ...]]:
     """The ``shape`` arrays of an HTTP JSON header, as far as a scan can read them.
 
@@ -142,6 +151,9 @@ class CostModel:
     """Weight kept by past samples per new one (about the last 100 count)."""
     overrides: dict[str, CostOverride] = field(default_factory=dict)
     _fits: dict[str, _Fit] = field(default_factory=dict)
+    _curves: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    """:meth:`curve`'s answers until the model's next timing: the same tuple object each time,
+    so a reader can keep what it derived from it while ``is`` says it is the same."""
 
     def _fit(self, model: str, cost: float) -> _Fit:
         fit = self._fits.get(model)
@@ -163,9 +175,17 @@ class CostModel:
 
     def observe_alone(self, model: str, cost: float, seconds: float) -> None:
         self._fit(model, cost).add(cost, seconds, self.decay)
+        self._curves.pop(model, None)
 
     def curve(self, model: str) -> tuple[float, float] | None:
         """``(base_s, per_unit_s)`` for ``model``, or None before enough samples."""
+        try:
+            return self._curves[model]
+        except KeyError:
+            curve = self._curves[model] = self._compute_curve(model)
+            return curve
+
+    def _compute_curve(self, model: str) -> tuple[float, float] | None:
         override = self.overrides.get(model)
         if override is not None:
             return override.base_ms / 1e3, override.per_unit_us / 1e6

@@ -7,12 +7,14 @@ def test_model_info_from_tritons_json_config() -> None:
     info = model_info(
         {
             "max_batch_size": 16,
-            "dynamic_batching": {"priority_levels": "3"},  # 64-bit ints may come as strings
+            # 64-bit ints may come as strings
+            "dynamic_batching": {"priority_levels": "3", "max_queue_delay_microseconds": "2000"},
             "instance_group": [{"count": 2}, {"count": 1}],
             "model_transaction_policy": {"decoupled": True},
         }
     )
-    assert info == ModelInfo(16, 3, 3, True, None)
+    assert info == ModelInfo(16, 3, 3, True, None, max_queue_delay_s=0.002)
+    assert model_info({"dynamic_batching": {}}).max_queue_delay_s == 0.0
     assert model_info({}) == ModelInfo(0, 0, 1, False, None)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from proxy.clock import FakeClock
 from proxy.routing.base import RouteRequest
+from proxy.routing.batcher import BatcherModel
 from proxy.routing.config import RoutingConfig, load_routing_config
 from proxy.routing.engine import NoCandidatesError, Router, RoutingStats
 from proxy.routing.feedback import FeedbackParams
@@ -205,6 +206,9 @@ def test_route_request_fast_is_the_same_request():
         "class_cap": None,
         "batch": 8,
         "occupancy": 0.5,
+        "rows": 2,
+        "batcher": BatcherModel(16, 0.002, 0.005, 2e-5),
+        "now": 12.5,
     }
     fast = RouteRequest.fast(dict(fields))
     assert fast == RouteRequest(**fields)

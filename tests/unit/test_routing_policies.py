@@ -189,6 +189,7 @@ def test_registry_lists_every_policy() -> None:
         "p2c",
         "consistent_hash",
         "expected_start",
+        "expected_finish",
     }
     for name in POLICIES:
         policy = build_policy(name, None, random.Random(0))

@@ -23,12 +23,14 @@ from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec, Work
 from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.batcher import BatcherModel
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
 from proxy.routing.feedback import FeedbackParams
 from proxy.routing.registry import POLICIES
 
 MODELS = ("m", "n")
+BATCHER = BatcherModel(max_batch=4, delay_s=0.002, base_s=0.005, per_unit_s=2e-5, default_level=2)
 
 
 class Connections:
@@ -79,10 +81,13 @@ class World:
         kind = rng.random()
         if kind < 0.35:
             stack = contextlib.ExitStack()
+            rows = rng.choice((1, 2))
             work = Work(
                 class_name=rng.choice(("rt", "batch")),
                 level=rng.choice((0, 1, 2)),
                 long=rng.random() < 0.2,
+                cost=float(rows * rng.choice((8, 64, 512))),
+                rows=rows,
             )
             stack.enter_context(
                 fleet.track(inst, rng.choice(MODELS), stream=rng.random() < 0.1, work=work)
@@ -143,6 +148,11 @@ class World:
             class_cap=cap,
             batch=rng.choice((1, 4)),
             occupancy=rng.random(),
+            rows=1,
+            cost=float(rng.choice((8, 512))),
+            # The replay of expected_finish, or (None) its fallback before a curve is learned.
+            batcher=rng.choice((None, BATCHER)),
+            now=self.clock.now(),
         )
         names = self.names()
         exclude = (

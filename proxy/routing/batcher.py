@@ -1,0 +1,125 @@
+"""When a request would finish on an instance: a replay of Triton's dynamic batcher over what
+the proxy has in flight there.
+
+The proxy knows, for each instance and model, every request it has in flight (when it was
+sent, its priority level, its rows and longest dimension: :class:`~proxy.fleet.instances.Work`)
+and when the last one answered. It does not know which of them Triton is running and which
+are queued, but Triton's batcher is deterministic enough to reconstruct it:
+
+- the model instance is free from the last answer (``since``): a batch ends with its answers;
+- a batch starts when the instance is free and either its queued rows reach
+  ``max_batch_size`` or the oldest queued request has waited ``max_queue_delay``;
+- it takes queued requests by priority level (most important first), oldest first within a
+  level, while their rows fit in ``max_batch_size``;
+- it runs ``base + per_unit x rows x longest``: the learned cost curve of
+  :mod:`proxy.scheduling.cost` (less the queue delay the curve's base includes, since requests
+  that ran alone waited it), over the batch padded to its longest request;
+- a batch the replay ends before ``now`` is still running (its requests have not answered):
+  it ends ``overrun_s`` from now.
+
+Replayed with the new request added (sent now), the end of the batch it joins is its
+predicted finish. What it leaves out: requests other clients (or other proxy replicas) send
+to the same Triton, other models sharing the device, several model instances per server
+(``instance_group`` count > 1: one executor is replayed), and Triton's batcher stall
+(proxy.routing.wake). Measured in a discrete-event model of three servers before it was
+built (docs/benchmarks.md, issue 10, twenty-first round): placing each request where this
+replay finishes it soonest came within 3 % of placing it with the servers' exact state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class InFlight(Protocol):
+    """What the replay reads of one request in flight (:class:`~proxy.fleet.instances.Work`)."""
+
+    @property
+    def level(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cost(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request not yet sent, as the replay reads it."""
+
+    level: int
+    rows: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherModel:
+    """One model's Triton dynamic batcher and cost curve, as the replay needs them."""
+
+    max_batch: int
+    """``max_batch_size`` (rows per batch; at least 1)."""
+    delay_s: float
+    """``dynamic_batching.max_queue_delay_microseconds``, in seconds."""
+    base_s: float
+    """Fixed time of one batch (the learned curve's base less ``delay_s``)."""
+    per_unit_s: float
+    """Time per padded unit (row x longest dimension) of a batch."""
+    default_level: int = 0
+    """``dynamic_batching.default_priority_level``: the level of a request sent without one."""
+    overrun_s: float = 0.001
+    """How much longer a batch the replay has ended before now (its answers not in) is
+    expected to run."""
+
+    def rank(self, level: int) -> int:
+        return level if level > 0 else self.default_level
+
+    def finish(
+        self,
+        flights: Iterable[tuple[float, InFlight]],
+        since: float,
+        now: float,
+        new: InFlight,
+    ) -> float:
+        """Predicted clock time at which ``new``, sent at ``now``, finishes on an instance
+        holding ``flights`` (``(sent_at, work)`` of the requests in flight there) whose last
+        answer came at ``since``."""
+        arrivals = sorted(flights, key=_sent)
+        arrivals.append((now, new))
+        count = len(arrivals)
+        max_batch, delay = self.max_batch, self.delay_s
+        t = since if since > float("-inf") else arrivals[0][0]
+        pending: list[tuple[float, InFlight]] = []
+        i = 0
+        while True:
+            while i < count and arrivals[i][0] <= t:
+                pending.append(arrivals[i])
+                i += 1
+            if not pending:  # idle until the next request arrives
+                t = arrivals[i][0]
+                continue
+            oldest = min(sent for sent, _ in pending)
+            if sum(w.rows for _, w in pending) < max_batch and t < oldest + delay:
+                # Waiting for the delay to run out or for the next arrival, whichever first.
+                t = min(oldest + delay, arrivals[i][0]) if i < count else oldest + delay
+                continue
+            pending.sort(key=lambda p: (self.rank(p[1].level), p[0]))
+            rows = longest = 0.0
+            taken = 0
+            for _, w in pending:
+                if taken and rows + w.rows > max_batch:
+                    break
+                rows += w.rows
+                longest = max(longest, w.cost / max(1, w.rows))
+                taken += 1
+            end = t + self.base_s + self.per_unit_s * rows * longest
+            if t <= now and end < now + self.overrun_s:
+                end = now + self.overrun_s  # its answers are not in: still running
+            if any(w is new for _, w in pending[:taken]):
+                return end
+            del pending[:taken]
+            t = end
+
+
+def _sent(flight: tuple[float, InFlight]) -> float:
+    return flight[0]

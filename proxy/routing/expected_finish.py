@@ -1,0 +1,96 @@
+"""Earliest expected finish: where Triton's batcher would finish this request soonest."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.batcher import Job
+from proxy.routing.select import load_params, pick_min, weight_of
+from proxy.routing.view import LevelSequence, ModelView
+
+
+def shortlist_key(candidate: Candidate) -> tuple[float]:
+    """``(model_in_flight + 1) / weight``: which candidates are replayed first."""
+    return ((candidate.model_in_flight + 1) / weight_of(candidate),)
+
+
+@dataclass(frozen=True)
+class ExpectedFinishParams:
+    consider: int = 8
+    """Candidates replayed per decision: those with the fewest requests of the model in flight
+    (by :func:`shortlist_key`, ties in fleet order). A replay costs tens of microseconds, so a
+    large fleet is not replayed whole; on a fleet of at most this many instances the choice is
+    over all of them."""
+
+    def __post_init__(self) -> None:
+        if self.consider < 1:
+            raise ValueError(f"consider must be >= 1, got {self.consider}")
+
+
+class ExpectedFinish:
+    """Pick the instance where the request would finish soonest, by a replay of each
+    instance's Triton dynamic batcher over this proxy's requests in flight there
+    (:mod:`proxy.routing.batcher`).
+
+    Formula::
+
+        shortlist = the `consider` candidates with the least (model_in_flight + 1) / weight
+        choose      argmin over shortlist of (finish(candidate) - now) / weight
+
+    where ``finish`` replays the batcher with the request added: the batch it joins (by its
+    priority level, behind the batch running), how long that batch is padded (its rows x its
+    longest request, on the model's learned cost curve), and the queue delay when it would
+    wait alone. It counts what a count of requests cannot: a short request is kept from an
+    instance about to start a padded batch, and a long one from an instance whose queued
+    short rows it would pad and wait behind; and it spreads work because a request joining
+    a queue makes that queue's batches longer. Ties (e.g. idle instances) at random. Until the
+    model's curve is learned (``RouteRequest.batcher`` is None) it places as least requests
+    over the shortlist.
+
+    Reads ``flights``, ``answered_at``, ``model_in_flight``, ``weight`` and the request's
+    ``batcher``, ``level``, ``rows``, ``cost`` and ``now``.
+
+    Source: the "shortest expected delay" rule (Whitt, *Deciding which queue to join*, 1986)
+    with the delay computed by simulating each server's batcher rather than from queue length;
+    measured against the proxy's other rules in a discrete-event model of the benchmark
+    before it was built (docs/benchmarks.md, issue 10, twenty-first round).
+    """
+
+    reads_ahead = False
+    keeps_sessions = False
+
+    def __init__(self, params: ExpectedFinishParams, rng: random.Random) -> None:
+        self.params = params
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        shortlist = sorted(candidates, key=shortlist_key)[: self.params.consider]
+        return self._best(shortlist, request)
+
+    def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
+        """The same shortlist from a sorted index (O(log n) to keep, ``consider`` to read)."""
+        ordering = view.ordering("expected_finish", shortlist_key)
+        lowest = LevelSequence(ordering.items, view.count[view.min_level()])
+        return self._best(lowest[: self.params.consider], request)
+
+    def _best(self, shortlist: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        batcher = request.batcher
+        if batcher is None:
+            return pick_min(shortlist, shortlist_key, self._rng)
+        now = request.now
+        job = Job(request.level or 0, max(1, request.rows), request.cost)
+
+        def key(c: Candidate) -> tuple[float]:
+            flights = c.flights.values() if c.flights else ()
+            finish = batcher.finish(flights, c.answered_at, now, job)
+            return ((finish - now) / weight_of(c),)
+
+        return pick_min(shortlist, key, self._rng)
+
+
+def factory(params: Mapping[str, Any], rng: random.Random) -> ExpectedFinish:
+    return ExpectedFinish(load_params(ExpectedFinishParams, params), rng)

@@ -1,0 +1,121 @@
+"""The replay of Triton's dynamic batcher (``proxy.routing.batcher``) and the placement that
+reads it (``expected_finish``): pure logic, no servers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.fleet.instances import Work
+from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.batcher import BatcherModel, Job
+from proxy.routing.registry import build_policy
+
+# accel_sim's curve in benchmarks/issue10: 5 ms + 20 us per padded token, 2 ms queue delay.
+B = BatcherModel(max_batch=16, delay_s=0.002, base_s=0.005, per_unit_s=20e-6, default_level=2)
+NOW = 100.0
+SHORT = Job(level=1, rows=1, cost=32.0)
+
+
+def batch_s(rows: int, longest: float) -> float:
+    return 0.005 + 20e-6 * rows * longest
+
+
+def work(level: int, tokens: int, rows: int = 1) -> Work:
+    return Work(level=level, rows=rows, cost=float(rows * tokens))
+
+
+def test_an_idle_instance_waits_the_queue_delay_then_runs_the_request_alone() -> None:
+    assert B.finish([], float("-inf"), NOW, SHORT) == pytest.approx(NOW + 0.002 + batch_s(1, 32))
+
+
+def test_a_full_batch_does_not_wait_the_delay() -> None:
+    big = Job(level=2, rows=16, cost=16 * 8.0)
+    assert B.finish([], NOW - 1, NOW, big) == pytest.approx(NOW + batch_s(16, 8))
+
+
+def test_a_request_joins_the_batch_after_the_running_one_ahead_of_less_important_work() -> None:
+    # Sent 5 ms ago to an idle instance: its batch started 3 ms ago (after the queue delay)
+    # and runs 5.64 ms. Queued behind it since: offline rows at level 3.
+    running = (NOW - 0.005, work(2, 32))
+    offline = [(NOW - 0.002, work(3, 512, rows=2)) for _ in range(8)]  # 16 rows queued
+    end_running = NOW - 0.005 + 0.002 + batch_s(1, 32)
+    finish = B.finish([running, *offline], float("-inf"), NOW, SHORT)
+    # The real-time row goes first; Triton fills the batch with offline rows up to 16 rows,
+    # padded to 512: 1 + 14 rows.
+    assert finish == pytest.approx(end_running + batch_s(15, 512))
+
+
+def test_a_short_request_pays_for_the_long_row_queued_where_it_goes() -> None:
+    busy_until = NOW + 0.003  # a running short batch, then the queue
+    running = (NOW - 0.004, work(2, 32))
+    long_queued = (NOW - 0.0001, work(2, 512))
+    since = NOW - 0.004 - 0.002  # the instance was free when the running one came
+    with_long = B.finish([running, long_queued], since, NOW, Job(2, 1, 32.0))
+    with_short = B.finish([running, (NOW - 0.0001, work(2, 32))], since, NOW, Job(2, 1, 32.0))
+    assert with_long > with_short
+    assert with_short == pytest.approx(busy_until + 0.0 + batch_s(2, 32), abs=2e-3)
+
+
+def test_a_batch_past_its_expected_end_is_still_running() -> None:
+    # Sent a second ago and not answered: it runs on, for overrun_s (1 ms) more; the new
+    # request starts when its own queue delay (2 ms) has run out.
+    stuck = (NOW - 1.0, work(2, 32))
+    finish = B.finish([stuck], NOW - 1.0, NOW, SHORT)
+    assert finish == pytest.approx(NOW + 0.002 + batch_s(1, 32))
+    slow = BatcherModel(16, 0.002, 0.005, 20e-6, overrun_s=0.010)
+    assert slow.finish([stuck], NOW - 1.0, NOW, SHORT) == pytest.approx(
+        NOW + 0.010 + batch_s(1, 32)
+    )
+
+
+def test_the_default_level_orders_requests_sent_without_one() -> None:
+    assert B.rank(0) == 2 and B.rank(1) == 1 and B.rank(3) == 3
+
+
+def candidate(name: str, flights: list[tuple[float, Work]], since: float) -> Candidate:
+    return Candidate(
+        name=name,
+        in_flight=len(flights),
+        model_in_flight=len(flights),
+        connections=0,
+        snapshot=None,
+        stale=False,
+        flights={i: f for i, f in enumerate(flights)},
+        answered_at=since,
+    )
+
+
+def request(job: Job, batcher: BatcherModel | None = B) -> RouteRequest:
+    return RouteRequest(
+        model="m", level=job.level, rows=job.rows, cost=job.cost, batcher=batcher, now=NOW, batch=16
+    )
+
+
+def test_expected_finish_keeps_short_work_off_an_instance_about_to_run_a_padded_batch() -> None:
+    policy = build_policy("expected_finish", None, random.Random(0))
+    # a: one long row queued (sent just now). b: three short rows running, more requests in
+    # flight, but short ones.
+    a = candidate("a", [(NOW - 0.0001, work(2, 512))], NOW - 0.05)
+    b = candidate("b", [(NOW - 0.003, work(2, 32)) for _ in range(3)], NOW - 0.05)
+    assert policy.choose([a, b], request(Job(1, 1, 32.0))).name == "b"
+    # least requests would take a (1 in flight against 3)
+    least = build_policy("least_requests", None, random.Random(0))
+    assert least.choose([a, b], request(Job(1, 1, 32.0))).name == "a"
+
+
+def test_expected_finish_places_by_least_requests_until_the_curve_is_learned() -> None:
+    policy = build_policy("expected_finish", None, random.Random(0))
+    a = candidate("a", [(NOW - 0.0001, work(2, 512))], NOW - 0.05)
+    b = candidate("b", [(NOW - 0.003, work(2, 32)) for _ in range(3)], NOW - 0.05)
+    assert policy.choose([a, b], request(Job(1, 1, 32.0), batcher=None)).name == "a"
+
+
+def test_expected_finish_replays_only_its_shortlist() -> None:
+    policy = build_policy("expected_finish", {"consider": 1}, random.Random(0))
+    a = candidate("a", [(NOW - 0.0001, work(2, 512))], NOW - 0.05)
+    b = candidate("b", [(NOW - 0.003, work(2, 32)) for _ in range(3)], NOW - 0.05)
+    assert policy.choose([b, a], request(Job(1, 1, 32.0))).name == "a"
+    with pytest.raises(ValueError, match="consider"):
+        build_policy("expected_finish", {"consider": 0}, random.Random(0))
