@@ -41,6 +41,7 @@ from proxy.routing.occupancy import busy_shares
 from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.cost import CostOverride
 from proxy.scheduling.models import FanOutObserver, ModelGates
 from proxy.telemetry import RequestTelemetry, Telemetry
 from proxy.workers import (
@@ -213,6 +214,7 @@ class Runtime:
             observer=self.observers,
             cancel_upstream=config.limits.cancel_upstream,
         )
+        self.dispatcher.costs.set_overrides(cost_overrides(config))
         self.canary_router: Router | None = None
         self.canary_gates: ModelGates | None = None
         self.canary_placement = FleetPlacement(
@@ -478,6 +480,7 @@ class Runtime:
             retries=router.retry_budget,
             max_retries=config.routing.retry.max_retries,
         )
+        self.dispatcher.costs.set_overrides(cost_overrides(config))
         self.control.reconfigure(config.control, config.scheduling)
         self._set_canary(config)
         self.config = config
@@ -542,3 +545,8 @@ async def _dropped(send: Awaitable[object]) -> None:
     """A nudge's answer, or its failure, is nobody's."""
     with contextlib.suppress(Exception):
         await send
+
+
+def cost_overrides(config: ProxyConfig) -> Mapping[str, CostOverride]:
+    """The policy file's cost curves per model (``scheduling.cost.models``)."""
+    return config.scheduling.cost.models if config.scheduling is not None else {}

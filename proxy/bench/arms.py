@@ -49,7 +49,8 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_expected_finish``: ``expected_finish`` (``proxy.routing.batcher``: each request
   where a replay of the instance's Triton batcher over the proxy's requests in flight there
   finishes it soonest) + classes, the lowest class at ``max_per_instance`` 8, 64 slots per
-  instance counted by rank; ``+nudge`` with :data:`NUDGE_WAKE`.
+  instance counted by rank; ``+delays`` with ``count_delays`` (the delay a request adds to
+  those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -417,16 +418,25 @@ def _catalog() -> dict[str, ArmPlan]:
         routing={"wake": NUDGE_WAKE},
     )
     finish = next(p for p in plans if p.name == "proxy_expected_finish")
-    plans.insert(
-        plans.index(finish) + 1,
-        replace(
-            finish,
-            name="proxy_expected_finish+nudge",
-            description="proxy_expected_finish whose wake sends a quiet instance a copy of a "
-            "short request it holds (routing.wake.nudge)",
-            routing={"wake": NUDGE_WAKE},
-        ),
+    delays = _vary(
+        finish,
+        "proxy_expected_finish+delays",
+        "proxy_expected_finish that also counts the delay a request adds to those in flight "
+        "(count_delays, weighted by level)",
+        count_delays=True,
     )
+    at = plans.index(finish) + 1
+    plans[at:at] = [
+        replace(
+            arm,
+            name=f"{arm.name}+nudge",
+            description=f"{arm.name} whose wake sends a quiet instance a copy of a short "
+            "request it holds (routing.wake.nudge)",
+            routing={"wake": NUDGE_WAKE},
+        )
+        for arm in (finish, delays)
+    ]
+    plans.insert(at + 1, delays)
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

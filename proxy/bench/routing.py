@@ -31,13 +31,14 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.clock import FakeClock
 from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec
 from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
 from proxy.placement import FleetPlacement, Placer
 from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.batcher import BatcherModel
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
 from proxy.routing.registry import POLICIES
@@ -160,9 +161,15 @@ def _requests(count: int, rng: random.Random) -> list[RouteRequest]:
             model=MODEL,
             session_key=f"session-{rng.randint(0, 10_000)}" if rng.random() < 0.5 else None,
             cost=float(rng.randint(8, 512)),
+            # Read by expected_finish only: its replay runs (other policies ignore it).
+            batcher=REPLAYED,
         )
         for _ in range(count)
     ]
+
+
+REPLAYED = BatcherModel(max_batch=16, delay_s=0.002, base_s=0.005, per_unit_s=20e-6)
+"""The batcher the decisions' requests carry (``accel_sim``'s curve in benchmarks/issue10)."""
 
 
 def _point(
@@ -218,8 +225,10 @@ def measure_policy(
         for i in range(warmup + calls):
             if moving:
                 sim.between()
+            # The decision's clock time, set outside the timed call as the dispatcher sets it.
+            request = replace(requests[i % len(requests)], now=sim.clock.now())
             began = clock()
-            chosen = placement.pick(requests[i % len(requests)], none)
+            chosen = placement.pick(request, none)
             spent = (clock() - began) / 1000.0
             if i == 0 and kind == "view":
                 first = spent

@@ -85,13 +85,44 @@ class BatcherModel:
         holding ``flights`` (``(sent_at, work)`` of the requests in flight there) whose last
         answer came at ``since``."""
         arrivals = sorted(flights, key=_sent)
-        arrivals.append((now, new))
+        last = (now, new)
+        arrivals.append(last)
+        return self._replay(arrivals, since, now, last)[id(last)]
+
+    def ends(
+        self,
+        flights: Iterable[tuple[float, InFlight]],
+        since: float,
+        now: float,
+        new: InFlight | None = None,
+    ) -> tuple[dict[int, float], float | None]:
+        """Predicted end of every request in flight, by ``id`` of its ``(sent_at, work)``
+        tuple, and of ``new`` (sent at ``now``; None without it)."""
+        arrivals = sorted(flights, key=_sent)
+        if new is None:
+            return self._replay(arrivals, since, now, None), None
+        last = (now, new)
+        arrivals.append(last)
+        out = self._replay(arrivals, since, now, None)
+        return out, out[id(last)]
+
+    def _replay(
+        self,
+        arrivals: list[tuple[float, InFlight]],
+        since: float,
+        now: float,
+        until: tuple[float, InFlight] | None,
+    ) -> dict[int, float]:
+        """Ends by ``id`` of each arrival, up to the batch holding ``until`` (all: None)."""
+        out: dict[int, float] = {}
         count = len(arrivals)
+        if not count:
+            return out
         max_batch, delay = self.max_batch, self.delay_s
         t = since if since > float("-inf") else arrivals[0][0]
         pending: list[tuple[float, InFlight]] = []
         i = 0
-        while True:
+        while i < count or pending:
             while i < count and arrivals[i][0] <= t:
                 pending.append(arrivals[i])
                 i += 1
@@ -115,10 +146,15 @@ class BatcherModel:
             end = t + self.base_s + self.per_unit_s * rows * longest
             if t <= now and end < now + self.overrun_s:
                 end = now + self.overrun_s  # its answers are not in: still running
-            if any(w is new for _, w in pending[:taken]):
-                return end
+            done = False
+            for arrival in pending[:taken]:
+                out[id(arrival)] = end
+                done = done or arrival is until
+            if done:
+                return out
             del pending[:taken]
             t = end
+        return out
 
 
 def _sent(flight: tuple[float, InFlight]) -> float:

@@ -26,9 +26,20 @@ class ExpectedFinishParams:
     large fleet is not replayed whole; on a fleet of at most this many instances the choice is
     over all of them."""
 
+    count_delays: bool = False
+    """Also count the delay the request adds to the requests already in flight on the
+    candidate (each later batch, and the one it pads), weighted by their level: a long
+    request then keeps away from instances whose queued short rows it would pad, and long
+    work gathers where long work already waits. Off: the request's own finish alone."""
+    level_weight: float = 4.0
+    """``count_delays``: a request at priority rank ``r`` (1 = most important) weighs
+    ``level_weight ** -(r - 1)``: a real-time millisecond counts four online ones."""
+
     def __post_init__(self) -> None:
         if self.consider < 1:
             raise ValueError(f"consider must be >= 1, got {self.consider}")
+        if self.level_weight < 1:
+            raise ValueError(f"level_weight must be >= 1, got {self.level_weight}")
 
 
 class ExpectedFinish:
@@ -40,6 +51,10 @@ class ExpectedFinish:
 
         shortlist = the `consider` candidates with the least (model_in_flight + 1) / weight
         choose      argmin over shortlist of (finish(candidate) - now) / weight
+        with count_delays:
+                    argmin over shortlist of (w(request) * (finish - now)
+                        + sum over requests x in flight of w(x) * (end_with(x) - end_without(x)))
+                        / weight,   w(level) = level_weight ** -(rank(level) - 1)
 
     where ``finish`` replays the batcher with the request added: the batch it joins (by its
     priority level, behind the batch running), how long that batch is padded (its rows x its
@@ -83,13 +98,29 @@ class ExpectedFinish:
             return pick_min(shortlist, shortlist_key, self._rng)
         now = request.now
         job = Job(request.level or 0, max(1, request.rows), request.cost)
+        if not self.params.count_delays:
 
-        def key(c: Candidate) -> tuple[float]:
-            flights = c.flights.values() if c.flights else ()
-            finish = batcher.finish(flights, c.answered_at, now, job)
-            return ((finish - now) / weight_of(c),)
+            def key(c: Candidate) -> tuple[float]:
+                flights = c.flights.values() if c.flights else ()
+                finish = batcher.finish(flights, c.answered_at, now, job)
+                return ((finish - now) / weight_of(c),)
 
-        return pick_min(shortlist, key, self._rng)
+            return pick_min(shortlist, key, self._rng)
+
+        base = self.params.level_weight
+
+        def weight(level: int) -> float:
+            return float(base ** -(batcher.rank(level) - 1))
+
+        def delays(c: Candidate) -> tuple[float]:
+            flights = list(c.flights.values()) if c.flights else []
+            before, _ = batcher.ends(flights, c.answered_at, now)
+            after, finish = batcher.ends(flights, c.answered_at, now, job)
+            assert finish is not None
+            added = sum(weight(f[1].level) * (after[id(f)] - before[id(f)]) for f in flights)
+            return ((weight(job.level) * (finish - now) + added) / weight_of(c),)
+
+        return pick_min(shortlist, delays, self._rng)
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> ExpectedFinish:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from proxy import strict
 from proxy.control.concurrency import AdaptiveConcurrencyConfig
+from proxy.scheduling.cost import CostOverride
 from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
@@ -285,6 +286,16 @@ def _no_keys() -> Mapping[str, ApiKeyConfig]:
 
 
 @dataclass(frozen=True)
+class CostConfig:
+    """``scheduling.cost``: what requests cost (:mod:`proxy.scheduling.cost`)."""
+
+    models: Mapping[str, CostOverride] = field(default_factory=dict)
+    """Model name -> ``{base_ms, per_unit_us}``: its cost curve, used instead of the one
+    learned from requests that ran alone (placement's batcher replay, the wake, adaptive
+    concurrency read it)."""
+
+
+@dataclass(frozen=True)
 class SchedulingConfig:
     """The whole ``scheduling:`` section, validated and frozen."""
 
@@ -330,6 +341,8 @@ class SchedulingConfig:
     )
     """Slots per (instance, model) learned from the top class's time inside Triton
     (:mod:`proxy.control.concurrency`); used when ``concurrency`` is null."""
+    cost: CostConfig = field(default_factory=CostConfig)
+    """Cost curves set per model instead of learned (:class:`CostConfig`)."""
 
     def __post_init__(self) -> None:
         if not self.classes:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.errors import Code, ProxyError
@@ -106,7 +106,9 @@ def check_shapes(shapes: Sequence[Sequence[int]], nbytes: int) -> None:
 
 @dataclass(frozen=True)
 class CostOverride:
-    """A model's cost curve, set by the operator instead of learned."""
+    """A model's cost curve, set by the operator instead of learned: one batch of ``units``
+    (rows x longest dimension, padded) takes ``base_ms + per_unit_us x units`` inside Triton,
+    the queue delay and the network included (what the proxy times for a request alone)."""
 
     base_ms: float
     per_unit_us: float
@@ -161,6 +163,11 @@ class CostModel:
             # Not ``setdefault``: that built a new _Fit on every call (twice per request).
             fit = self._fits[model] = _Fit(typical=cost)
         return fit
+
+    def set_overrides(self, overrides: Mapping[str, CostOverride]) -> None:
+        """Adopt the policy file's curves (``scheduling.cost.models``), e.g. on a reload."""
+        self.overrides = dict(overrides)
+        self._curves.clear()
 
     def observe_cost(self, model: str, cost: float) -> None:
         fit = self._fit(model, cost)

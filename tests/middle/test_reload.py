@@ -188,3 +188,17 @@ def test_the_policy_watch_survives_an_unexpected_error(fakes: FakeFleet, tmp_pat
         wait_for(lambda: reloads(proxy, "ok") >= 1, timeout_s=5, what="a reload after the error")
         name = proxy.runtime.router.policy("simple")[0]
     assert name == "least_requests"
+
+
+def test_a_reload_sets_and_clears_a_models_cost_curve(fakes: FakeFleet, tmp_path: Path) -> None:
+    """``scheduling.cost.models`` replaces the learned curve on start and on every reload."""
+    path = tmp_path / "policy.yaml"
+    cost = {"models": {"simple": {"base_ms": 5, "per_unit_us": 20}}}
+    base = policy_for(fakes.servers, with_defaults({"scheduling": {"cost": cost}}))
+    write(path, base)
+    with running_proxy(fakes.servers, base, policy_path=path, watch_interval_s=0.05) as proxy:
+        costs = proxy.proxy.runtime.dispatcher.costs
+        assert costs.curve("simple") == (0.005, 20e-6)
+        write(path, {**base, "scheduling": {"default_class": "online"}})
+        wait_for(lambda: reloads(proxy, "ok") >= 1, what="the reload")
+        assert costs.curve("simple") is None  # nothing learned yet: no curve

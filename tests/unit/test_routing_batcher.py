@@ -119,3 +119,29 @@ def test_expected_finish_replays_only_its_shortlist() -> None:
     assert policy.choose([b, a], request(Job(1, 1, 32.0))).name == "a"
     with pytest.raises(ValueError, match="consider"):
         build_policy("expected_finish", {"consider": 0}, random.Random(0))
+
+
+def test_ends_cover_every_request_and_match_finish() -> None:
+    flights = [(NOW - 0.004, work(2, 32)), (NOW - 0.001, work(3, 512, rows=2))]
+    ends, finish = B.ends(flights, NOW - 0.01, NOW, SHORT)
+    assert {id(f) for f in flights} <= set(ends) and len(ends) == 3
+    assert finish == pytest.approx(B.finish(flights, NOW - 0.01, NOW, SHORT))
+    assert B.ends([], NOW, NOW) == ({}, None)
+
+
+def test_counting_delays_keeps_a_long_request_off_queued_short_rows() -> None:
+    # a: two real-time rows queued behind a running batch; b: four offline requests of two
+    # 512-token rows queued. A long online row finishes sooner on a (a batch of 3 rows
+    # padded to 512, 36 ms, against one of 9, 97 ms), but there it pads the real-time rows'
+    # batch (6 ms -> 36 ms); counting their delay (weighted 4:1 over online, 16:1 over
+    # offline) sends it to b, where it adds 7 ms to offline work.
+    running = (NOW - 0.004, work(2, 32))
+    a = candidate("a", [running, *[(NOW - 0.0005, work(1, 32)) for _ in range(2)]], NOW - 0.006)
+    b = candidate("b", [running, *[(NOW - 0.0005, work(3, 512, 2)) for _ in range(4)]], NOW - 0.006)
+    long_online = request(Job(2, 1, 512.0))
+    own = build_policy("expected_finish", None, random.Random(0))
+    delays = build_policy("expected_finish", {"count_delays": True}, random.Random(0))
+    assert own.choose([a, b], long_online).name == "a"
+    assert delays.choose([a, b], long_online).name == "b"
+    with pytest.raises(ValueError, match="level_weight"):
+        build_policy("expected_finish", {"level_weight": 0.5}, random.Random(0))

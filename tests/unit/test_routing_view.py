@@ -422,3 +422,11 @@ def test_no_candidate_is_none() -> None:
         assert placement.pick(RouteRequest(model="m"), frozenset()) is None
         w.fleet.report_success(w.fleet.get("t1"))
         assert placement.pick(RouteRequest(model="m"), frozenset()).name == "t1"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("params", [{"count_delays": True}, {"consider": 2}, {"consider": 40}])
+def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str, Any]) -> None:
+    # Its shortlist comes from a sorted index on the view path and from a sort of the
+    # filtered candidates on the linear one; the replay then reads the same live flights.
+    compare("expected_finish", seed, n=12, steps=300, filters=True, feedback=True, params=params)

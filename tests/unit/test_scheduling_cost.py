@@ -8,13 +8,16 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from proxy.frontends.kserve_grpc import input_shapes
+from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.cost import (
     CostModel,
     CostOverride,
     cost_of,
     http_shapes,
+    rows_of,
     shape_cost,
 )
+from proxy.strict import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -116,3 +119,34 @@ def test_only_short_shape_texts_are_memoised():
     assert cost._memo_dims.cache_info().currsize == before
     assert http_shapes(b'{"shape":[2, 77]}') == [(2, 77)]
     assert cost._memo_dims.cache_info().currsize <= 1024
+
+
+def test_the_curve_is_computed_once_per_timing_and_overrides_replace_it() -> None:
+    model = CostModel()
+    for cost in (8, 64, 256, 512) * 10:
+        model.observe_alone("m", cost, 0.005 + 20e-6 * cost)
+    first = model.curve("m")
+    assert model.curve("m") is first  # cached: the same tuple until the next timing
+    model.observe_alone("m", 64, 0.020)
+    assert model.curve("m") is not first
+    model.set_overrides({"m": CostOverride(base_ms=1, per_unit_us=1)})
+    assert model.curve("m") == pytest.approx((0.001, 1e-6))
+    model.set_overrides({})
+    assert model.curve("m") != pytest.approx((0.001, 1e-6))
+
+
+def test_rows_are_those_of_the_costliest_input() -> None:
+    assert rows_of([(4, 8), (2, 512)]) == 2
+    assert rows_of([(3,)]) == 3
+    assert rows_of([]) == 1
+    assert rows_of([()]) == 1
+    assert rows_of([(0, 16)]) == 1
+
+
+def test_the_policy_file_sets_a_models_curve() -> None:
+    config = load_scheduling({"cost": {"models": {"m": {"base_ms": 5, "per_unit_us": 20}}}})
+    assert config.cost.models["m"] == CostOverride(base_ms=5, per_unit_us=20)
+    with pytest.raises(ConfigError, match=r"scheduling\.cost\.models\.m"):
+        load_scheduling({"cost": {"models": {"m": {"base_ms": -1, "per_unit_us": 0}}}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_scheduling({"cost": {"model": {}}})
