@@ -50,7 +50,8 @@ Every arm sends the same schedule to the same local Triton servers:
   where a replay of the instance's Triton batcher over the proxy's requests in flight there
   finishes it soonest) + classes, the lowest class at ``max_per_instance`` 8, 64 slots per
   instance counted by rank; ``+delays`` with ``count_delays`` (the delay a request adds to
-  those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`.
+  those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`; ``+lane``: ``+delays+nudge``
+  behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -437,6 +438,19 @@ def _catalog() -> dict[str, ArmPlan]:
         for arm in (finish, delays)
     ]
     plans.insert(at + 1, delays)
+    shallow_gate = next(p for p in plans if p.name == "proxy_shallow_lane")
+    plans.insert(
+        plans.index(delays) + 3,
+        replace(
+            shallow_gate,
+            name="proxy_expected_finish+lane",
+            description="expected_finish with count_delays and the nudge, behind "
+            "proxy_shallow_lane's gate (the lowest class shallow, one instance spare of it)",
+            policy="expected_finish",
+            policy_params={"count_delays": True},
+            routing={"wake": NUDGE_WAKE},
+        ),
+    )
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
