@@ -492,6 +492,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
+        "proxy_expected_finish+lane",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

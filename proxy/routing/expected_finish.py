@@ -69,6 +69,14 @@ class ExpectedFinish:
     Reads ``flights``, ``answered_at``, ``model_in_flight``, ``weight`` and the request's
     ``batcher``, ``level``, ``rows``, ``cost`` and ``now``.
 
+    Measured (docs/benchmarks.md, issue 10, twenty-first round): with classes and the
+    nudge it beats the best baseline below capacity in ``long_share.yaml`` and ``case.yaml``
+    (real-time 0.65-0.98x, online 0.71-0.98x), where the lanes lose online; at capacity it
+    needs a gate that keeps a backlogged throughput class off most instances (the shallow
+    lane's ``max_per_instance``, ``shallow_per_instance`` and ``spare_instances``): behind
+    the plain gate, that class's backlog refilled every instance and batches padded as under
+    round robin.
+
     Source: the "shortest expected delay" rule (Whitt, *Deciding which queue to join*, 1986)
     with the delay computed by simulating each server's batcher rather than from queue length;
     measured against the proxy's other rules in a discrete-event model of the benchmark
