@@ -198,8 +198,9 @@ class Dispatcher:
         self.on_lost = on_lost
         """Called when a connection to an instance failed or broke (reset its pool)."""
         self.costs = costs if costs is not None else CostModel()
-        self._batchers: dict[str, tuple[tuple[float, float], ModelInfo, BatcherModel]] = {}
         """Per-model request costs and service-time curves, learned from this traffic."""
+        self._batchers: dict[str, tuple[tuple[float, float], ModelInfo, BatcherModel]] = {}
+        """model -> (the curve and config it was built from, its batcher model): ``_batcher``."""
         self.observer = observer
         """Told once about every finished request (telemetry and controllers subscribe)."""
         self.cancel_upstream = cancel_upstream

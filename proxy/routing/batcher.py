@@ -87,9 +87,7 @@ class BatcherModel:
         """Predicted clock time at which ``new``, sent at ``now``, finishes on an instance
         holding ``flights`` (``(sent_at, work)`` of the requests in flight there) whose last
         answer came at ``since``."""
-        arrivals = sorted(flights, key=_sent)
-        last = (now, new)
-        arrivals.append(last)
+        arrivals, last = _arrivals(flights, now, new)
         return self._replay(arrivals, since, now, last)[id(last)]
 
     def ends(
@@ -101,11 +99,9 @@ class BatcherModel:
     ) -> tuple[dict[int, float], float | None]:
         """Predicted end of every request in flight, by ``id`` of its ``(sent_at, work)``
         tuple, and of ``new`` (sent at ``now``; None without it)."""
-        arrivals = sorted(flights, key=_sent)
         if new is None:
-            return self._replay(arrivals, since, now, None), None
-        last = (now, new)
-        arrivals.append(last)
+            return self._replay(sorted(flights, key=_sent), since, now, None), None
+        arrivals, last = _arrivals(flights, now, new)
         out = self._replay(arrivals, since, now, None)
         return out, out[id(last)]
 
@@ -162,3 +158,13 @@ class BatcherModel:
 
 def _sent(flight: tuple[float, InFlight]) -> float:
     return flight[0]
+
+
+def _arrivals(
+    flights: Iterable[tuple[float, InFlight]], now: float, new: InFlight
+) -> tuple[list[tuple[float, InFlight]], tuple[float, InFlight]]:
+    """The flights in order of sending, then ``new`` sent at ``now`` (and that last entry)."""
+    arrivals = sorted(flights, key=_sent)
+    last = (now, new)
+    arrivals.append(last)
+    return arrivals, last
