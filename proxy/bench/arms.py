@@ -51,7 +51,8 @@ Every arm sends the same schedule to the same local Triton servers:
   finishes it soonest) + classes, the lowest class at ``max_per_instance`` 8, 64 slots per
   instance counted by rank; ``+delays`` with ``count_delays`` (the delay a request adds to
   those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`; ``+lane``: ``+delays+nudge``
-  behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it).
+  behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it);
+  ``+lane+pack``: ``+lane`` whose offline work is packed into the lane (``lane``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -449,6 +450,18 @@ def _catalog() -> dict[str, ArmPlan]:
             policy="expected_finish",
             policy_params={"count_delays": True},
             routing={"wake": NUDGE_WAKE},
+        ),
+    )
+    lane = plans[plans.index(delays) + 3]
+    plans.insert(
+        plans.index(lane) + 1,
+        replace(
+            lane,
+            name="proxy_expected_finish+lane+pack",
+            description="proxy_expected_finish+lane whose lowest class is packed into the "
+            "lane (expected_finish lane: the class's work fills an instance before it opens "
+            "another) rather than replayed",
+            policy_params={"count_delays": True, "lane": True},
         ),
     )
     at = plans.index(shallow) + 1

@@ -4,6 +4,7 @@ reads it (``expected_finish``): pure logic, no servers."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -145,3 +146,21 @@ def test_counting_delays_keeps_a_long_request_off_queued_short_rows() -> None:
     assert delays.choose([a, b], long_online).name == "b"
     with pytest.raises(ValueError, match="level_weight"):
         build_policy("expected_finish", {"level_weight": 0.5}, random.Random(0))
+
+
+def test_a_lane_packs_a_capped_class_where_its_work_already_runs() -> None:
+    # An offline request of a class capped at 2 per instance: the replay sends it to the
+    # idle instance c (it would finish soonest there); with ``lane`` it joins a, which runs
+    # one of its class, so b and c keep batches it does not pad.
+    offline = (NOW - 0.001, work(3, 512, rows=4))
+    a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
+    b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    c = candidate("c", [], NOW - 0.01)
+    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True)
+    replay = build_policy("expected_finish", None, random.Random(0))
+    lane = build_policy("expected_finish", {"lane": True}, random.Random(0))
+    assert replay.choose([a, b, c], capped).name == "c"
+    assert lane.choose([a, b, c], capped).name == "a"
+    # A request of an uncapped class is still replayed: a real-time row joins b's forming
+    # batch, which starts before c's own queue delay runs out.
+    assert lane.choose([a, b, c], request(Job(1, 1, 32.0))).name == "b"

@@ -425,7 +425,10 @@ def test_no_candidate_is_none() -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("params", [{"count_delays": True}, {"consider": 2}, {"consider": 40}])
+@pytest.mark.parametrize(
+    "params",
+    [{"count_delays": True}, {"consider": 2}, {"consider": 40}, {"lane": True}],
+)
 def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str, Any]) -> None:
     # Its shortlist comes from a sorted index on the view path and from a sort of the
     # filtered candidates on the linear one; the replay then reads the same live flights.
