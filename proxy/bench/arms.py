@@ -52,7 +52,8 @@ Every arm sends the same schedule to the same local Triton servers:
   instance counted by rank; ``+delays`` with ``count_delays`` (the delay a request adds to
   those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`; ``+lane``: ``+delays+nudge``
   behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it);
-  ``+lane+pack``: ``+lane`` whose offline work is packed into the lane (``lane``).
+  ``+lane+pack``: ``+lane`` whose long work is packed into a lane (``pack_above`` 0);
+  ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -122,6 +123,11 @@ PACK_ABOVE = 0.5
 """``pack_above`` of ``proxy_shallow_lane+light``: the lane packs long work only while at
 least half of the model's instances hold work (``proxy.routing.occupancy``)."""
 
+
+FINISH_PACK_ABOVE = 0.9
+"""``pack_above`` of ``proxy_expected_finish+lane+pack90``: near capacity, where the
+occupancy (any of the proxy's requests in flight on an instance) is close to 1 and mixed
+batches would hold the fleet to its FIFO capacity; below it the replay mixes them."""
 
 NUDGE_WAKE = {"min_quiet_ms": 6, "scan_ms": 3, "margin": 1.5, "nudge": True}
 """``routing.wake`` of the ``+nudge`` arms: quiet after 1.5 expected batch times of what the
@@ -458,10 +464,20 @@ def _catalog() -> dict[str, ArmPlan]:
         replace(
             lane,
             name="proxy_expected_finish+lane+pack",
-            description="proxy_expected_finish+lane whose lowest class is packed into the "
-            "lane (expected_finish lane: the class's work fills an instance before it opens "
-            "another) rather than replayed",
-            policy_params={"count_delays": True, "lane": True},
+            description="proxy_expected_finish+lane whose long work is packed into a lane "
+            "(expected_finish pack_above 0: it fills an instance before it opens another) "
+            "rather than replayed",
+            policy_params={"count_delays": True, "pack_above": 0.0},
+        ),
+    )
+    plans.insert(
+        plans.index(lane) + 2,
+        replace(
+            lane,
+            name=f"proxy_expected_finish+lane+pack{round(100 * FINISH_PACK_ABOVE)}",
+            description="proxy_expected_finish+lane whose long work is packed into a lane "
+            f"while the fleet's occupancy is at least {FINISH_PACK_ABOVE}, replayed below",
+            policy_params={"count_delays": True, "pack_above": FINISH_PACK_ABOVE},
         ),
     )
     at = plans.index(shallow) + 1

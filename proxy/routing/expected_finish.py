@@ -36,17 +36,25 @@ class ExpectedFinishParams:
     """``count_delays``: a request at priority rank ``r`` (1 = most important) weighs
     ``level_weight ** -(r - 1)``: a real-time millisecond counts four online ones."""
 
-    lane: bool = False
-    """A request of a class with a per-instance cap (``RouteRequest.class_cap``: the
-    throughput class of a lane, ``max_per_instance`` with ``spare_instances``) is placed as
-    ``expected_start``'s ``pack`` instead: onto the instance that already runs the most of
-    its class until the cap is reached there, before it opens another. Without it such a
-    request goes where it would finish soonest, the emptiest instance, so a backlogged class
-    spreads over every instance and pads every instance's batches, spares included: measured
-    (``case.yaml`` x1.5, docs/benchmarks.md, twenty-first round), 51 % of real-time within
-    its SLO against the lane's 100 %. Every other request is still replayed."""
+    pack_above: float | None = None
+    """Long work (``RouteRequest.long``: a class with a per-instance cap, or a request the
+    cost model calls long) is placed as ``expected_start``'s ``pack`` while the model's fleet
+    occupancy (``RouteRequest.occupancy``, ``proxy.routing.occupancy``) is at least this:
+    onto the instance already running the most long work (a capped class: its own) until
+    it is full, before another is opened, so the other instances run short batches only.
+    Short work is still replayed, and keeps off the lane because the replay sees its padded
+    batches. None (the default): every request is replayed; 0: long work is always packed.
+    Why: the replay places each request where it finishes soonest, which mixes long and
+    short rows in every instance's batches. Below capacity that is what minimises waiting;
+    at and past it, mixed batches cap the fleet at its FIFO capacity (``case.yaml``: 434
+    req/s mixed against 894 batched by length) and the queues grow without bound: measured
+    (``case.yaml`` x1.5, docs/benchmarks.md, twenty-second round) 51 % of real-time within
+    its SLO, the lane 100 %; packing only the capped class was not enough (65 %): online's
+    512-token rows, one in ten, still padded every instance's batches."""
 
     def __post_init__(self) -> None:
+        if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
+            raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
         if self.consider < 1:
             raise ValueError(f"consider must be >= 1, got {self.consider}")
         if self.level_weight < 1:
@@ -100,20 +108,27 @@ class ExpectedFinish:
     def __init__(self, params: ExpectedFinishParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
+        pack_above = params.pack_above
         self._lane = (
-            ExpectedStart(ExpectedStartParams(long_placement="pack"), rng) if params.lane else None
+            None
+            if pack_above is None
+            else ExpectedStart(
+                ExpectedStartParams(long_placement="pack", pack_above=pack_above), rng
+            )
         )
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        if self._lane is not None and request.class_cap is not None:
-            return self._lane.choose(candidates, request)
+        lane = self._lane
+        if lane is not None and lane.packs(request):
+            return lane.choose(candidates, request)
         shortlist = sorted(candidates, key=shortlist_key)[: self.params.consider]
         return self._best(shortlist, request)
 
     def choose_view(self, view: ModelView, request: RouteRequest) -> Candidate:
         """The same shortlist from a sorted index (O(log n) to keep, ``consider`` to read)."""
-        if self._lane is not None and request.class_cap is not None:
-            return self._lane.choose_view(view, request)
+        lane = self._lane
+        if lane is not None and lane.packs(request):
+            return lane.choose_view(view, request)
         ordering = view.ordering("expected_finish", shortlist_key)
         lowest = LevelSequence(ordering.items, view.count[view.min_level()])
         return self._best(lowest[: self.params.consider], request)

@@ -148,19 +148,26 @@ def test_counting_delays_keeps_a_long_request_off_queued_short_rows() -> None:
         build_policy("expected_finish", {"level_weight": 0.5}, random.Random(0))
 
 
-def test_a_lane_packs_a_capped_class_where_its_work_already_runs() -> None:
+def test_pack_above_packs_long_work_into_a_lane_under_load() -> None:
     # An offline request of a class capped at 2 per instance: the replay sends it to the
-    # idle instance c (it would finish soonest there); with ``lane`` it joins a, which runs
-    # one of its class, so b and c keep batches it does not pad.
+    # idle instance c (it would finish soonest there); packed, it joins a, which runs one of
+    # its class, so b and c keep batches it does not pad. Below ``pack_above`` it is replayed.
     offline = (NOW - 0.001, work(3, 512, rows=4))
     a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
     b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
     c = candidate("c", [], NOW - 0.01)
-    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True)
+    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True, occupancy=0.95)
     replay = build_policy("expected_finish", None, random.Random(0))
-    lane = build_policy("expected_finish", {"lane": True}, random.Random(0))
+    lane = build_policy("expected_finish", {"pack_above": 0.9}, random.Random(0))
     assert replay.choose([a, b, c], capped).name == "c"
     assert lane.choose([a, b, c], capped).name == "a"
-    # A request of an uncapped class is still replayed: a real-time row joins b's forming
-    # batch, which starts before c's own queue delay runs out.
-    assert lane.choose([a, b, c], request(Job(1, 1, 32.0))).name == "b"
+    assert lane.choose([a, b, c], replace(capped, occupancy=0.5)).name == "c"
+    # An uncapped long row (online's 512 tokens) joins the lane too.
+    online_long = replace(request(Job(2, 1, 512.0)), long=True, occupancy=0.95)
+    assert replay.choose([a, b, c], online_long).name != "a"
+    assert lane.choose([a, b, c], online_long).name == "a"
+    # Short work is still replayed: a real-time row joins b's forming batch, which starts
+    # before c's own queue delay runs out.
+    assert lane.choose([a, b, c], replace(request(Job(1, 1, 32.0)), occupancy=0.95)).name == "b"
+    with pytest.raises(ValueError, match="pack_above"):
+        build_policy("expected_finish", {"pack_above": 1.5}, random.Random(0))

@@ -427,7 +427,13 @@ def test_no_candidate_is_none() -> None:
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize(
     "params",
-    [{"count_delays": True}, {"consider": 2}, {"consider": 40}, {"lane": True}],
+    [
+        {"count_delays": True},
+        {"consider": 2},
+        {"consider": 40},
+        {"pack_above": 0.0},
+        {"pack_above": 0.5, "count_delays": True},
+    ],
 )
 def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str, Any]) -> None:
     # Its shortlist comes from a sorted index on the view path and from a sort of the
