@@ -53,7 +53,8 @@ Every arm sends the same schedule to the same local Triton servers:
   those in flight counts too); ``+nudge`` with :data:`NUDGE_WAKE`; ``+lane``: ``+delays+nudge``
   behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it);
   ``+lane+pack``: ``+lane`` whose long work is packed into a lane (``pack_above`` 0);
-  ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more.
+  ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more;
+  ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -480,6 +481,23 @@ def _catalog() -> dict[str, ArmPlan]:
             policy_params={"count_delays": True, "pack_above": FINISH_PACK_ABOVE},
         ),
     )
+    plans[plans.index(lane) + 3 : plans.index(lane) + 3] = [
+        replace(
+            lane,
+            name=f"proxy_expected_finish+pack{suffix}",
+            description="expected_finish (a request's own finish, no count_delays) with the "
+            f"nudge behind proxy_shallow_lane's gate, long work packed into a lane {when}",
+            policy_params={"pack_above": above},
+        )
+        for suffix, above, when in (
+            ("", 0.0, "always"),
+            (
+                str(round(100 * FINISH_PACK_ABOVE)),
+                FINISH_PACK_ABOVE,
+                f"while the fleet's occupancy is at least {FINISH_PACK_ABOVE}",
+            ),
+        )
+    ]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
