@@ -39,7 +39,7 @@ from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.routing.batcher import BatcherModel
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
-from proxy.scheduling.cost import CostModel
+from proxy.scheduling.cost import BatchTimes, CostModel
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -201,6 +201,9 @@ class Dispatcher:
         """Per-model request costs and service-time curves, learned from this traffic."""
         self._batchers: dict[str, tuple[tuple[float, float], ModelInfo, BatcherModel]] = {}
         """model -> (the curve and config it was built from, its batcher model): ``_batcher``."""
+        self._batch_times = BatchTimes()
+        """Back-to-back batches per (instance, model), timed for ``costs``: one entry per
+        instance and model served (models the catalog knows)."""
         self.observer = observer
         """Told once about every finished request (telemetry and controllers subscribe)."""
         self.cancel_upstream = cancel_upstream
@@ -545,6 +548,18 @@ class Dispatcher:
                 if not stream:
                     if trace.alone:
                         self.costs.observe_alone(call.model, call.cost, trace.inside_s)
+                    delay = r.info.max_queue_delay_s if r.info is not None else None
+                    if delay is not None:
+                        batch = self._batch_times.answered(
+                            (instance.name, call.model),
+                            sent_at + trace.inside_s,
+                            sent_at,
+                            call.rows,
+                            call.cost,
+                            delay,
+                        )
+                        if batch is not None:
+                            self.costs.observe_alone(call.model, *batch)
                     # The gates that admitted it: a canary arm with classes of its own
                     # learns from its own answers, not the main arm's.
                     gates = r.arm.admission

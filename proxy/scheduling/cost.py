@@ -14,15 +14,19 @@ per instance. Placement keeps short, important requests away from instances runn
 **Learning the curve.** :class:`CostModel` fits ``seconds = base_s + per_unit_s x cost`` per model
 by exponentially weighted least squares over requests that ran alone on their instance (no
 other request of the model in flight there when it was sent and when it finished: its time is
-one batch of exactly itself plus the network). ``scheduling.cost`` in the policy file
-overrides the fit per model.
+one batch of exactly itself plus the network) and over *back-to-back batches*
+(:class:`BatchTimes`): under load no request runs alone, and a curve fit only on the few short
+requests that did (or left over from the first seconds) loses its slope, so a padded batch of
+long rows looked as cheap as a short one (measured: ``case.yaml`` x1.5, docs/benchmarks.md,
+issue 10, twenty-second round). ``scheduling.cost`` in the policy file overrides the fit per
+model.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.errors import Code, ProxyError
@@ -218,3 +222,83 @@ class CostModel:
         """Expected service time of a batch of this one request, or None when unknown."""
         curve = self.curve(model)
         return None if curve is None else curve[0] + curve[1] * cost
+
+
+GROUP_S = 0.001
+"""Answers of one instance and model that come back within this of the first are one batch
+(Triton answers a batch's requests together)."""
+MIN_BATCH_S = 4 * GROUP_S
+"""Back-to-back batches shorter than this are not timed: the grouping cannot tell them
+apart. Such models are fit on requests that ran alone."""
+MAX_KEYS = 4096
+"""Instances x models timed at once; past it the first key timed is forgotten (instances
+that left the fleet keep no entry for ever)."""
+
+
+@dataclass(slots=True)
+class _Group:
+    """The answers of one batch so far."""
+
+    first: float
+    """When its first answer came."""
+    prev: float | None
+    """When the batch before it first answered: the model instance was free from then."""
+    rows: int
+    longest: float
+    queued: bool
+    """Every request in it had waited out the queue delay before ``prev``, so the batch
+    started at ``prev`` (the batcher had no reason to wait)."""
+
+
+class BatchTimes:
+    """Times batches that ran back to back, from the answers of requests in flight.
+
+    Triton answers a batch's requests together, so answers of an instance and model that
+    come within :data:`GROUP_S` of each other are one batch: ``rows`` summed, ``longest`` the
+    most units per row among them. When every request of a batch was sent at least the
+    model's ``max_queue_delay`` before the previous batch answered, it was queued and ready
+    then, and the batch started when the previous one ended: its time is the gap between the
+    two batches' first answers, and its units are ``rows x longest`` (padded). A sample is
+    given back when the batch after it starts (:meth:`answered`) and fed to the same fit as
+    a request that ran alone (:meth:`CostModel.observe_alone`), with the queue delay added
+    (a request alone waits it; its network time, a fraction of a millisecond, is not added).
+
+    What breaks a sample: another client of the same Triton (or another proxy replica)
+    running batches in between, answers of one batch spread over more than ``GROUP_S``, a
+    batch shorter than :data:`MIN_BATCH_S` (skipped), and Triton's batcher stall
+    (``proxy.routing.wake``: a ready batch that waits for the next arrival is timed too long).
+    Pure: the caller passes the clock readings. Holds one group per key (instance and model),
+    at most :data:`MAX_KEYS`.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[Hashable, _Group] = {}
+
+    def answered(
+        self, key: Hashable, at: float, sent_at: float, rows: int, cost: float, delay_s: float
+    ) -> tuple[float, float] | None:
+        """A request of ``rows`` and ``cost`` sent at ``sent_at`` answered at ``at`` on
+        ``key``. Returns ``(units, seconds)`` of the batch before it when this answer
+        starts a new batch and that one ran back to back, else None."""
+        longest = cost / max(1, rows)
+        group = self._groups.get(key)
+        if group is not None and at - group.first <= GROUP_S:
+            group.rows += rows
+            group.longest = max(group.longest, longest)
+            group.queued = (
+                group.queued and group.prev is not None and sent_at + delay_s <= group.prev
+            )
+            return None
+        sample = None
+        prev = None
+        if group is not None:
+            prev = group.first
+            if group.queued and group.prev is not None:
+                seconds = group.first - group.prev
+                if seconds >= MIN_BATCH_S:
+                    sample = (group.rows * group.longest, seconds + delay_s)
+        queued = prev is not None and sent_at + delay_s <= prev
+        if group is None and len(self._groups) >= MAX_KEYS:
+            del self._groups[next(iter(self._groups))]
+        self._groups[key] = _Group(at, prev, rows, longest, queued)
+        return sample

@@ -10,6 +10,7 @@ from tritonclient.grpc import service_pb2 as pb
 from proxy.frontends.kserve_grpc import input_shapes
 from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.cost import (
+    BatchTimes,
     CostModel,
     CostOverride,
     cost_of,
@@ -150,3 +151,66 @@ def test_the_policy_file_sets_a_models_curve() -> None:
         load_scheduling({"cost": {"models": {"m": {"base_ms": -1, "per_unit_us": 0}}}})
     with pytest.raises(ConfigError, match="unknown key"):
         load_scheduling({"cost": {"model": {}}})
+
+
+DELAY = 0.002
+
+
+def test_back_to_back_batches_are_timed_from_their_first_answers() -> None:
+    times = BatchTimes()
+    key = ("t0", "m")
+    # Batch 1: two requests answered at 0.100 (nothing known before it: no sample).
+    assert times.answered(key, 0.1000, 0.050, 1, 64, DELAY) is None
+    assert times.answered(key, 0.1003, 0.051, 1, 64, DELAY) is None
+    # Batch 2: three requests of 4 rows x 512, all queued well before 0.100; 87 ms later.
+    for i in range(3):
+        assert times.answered(key, 0.187 + i * 0.0002, 0.060, 4, 2048, DELAY) is None
+    # Batch 3's first answer closes batch 2: 12 rows padded to 512, 87 ms (+ the delay).
+    sample = times.answered(key, 0.200, 0.150, 1, 64, DELAY)
+    assert sample is not None
+    assert sample[0] == pytest.approx(12 * 512)
+    assert sample[1] == pytest.approx(0.087 + DELAY)
+
+
+def test_a_batch_whose_requests_came_late_is_not_timed() -> None:
+    times = BatchTimes()
+    key = ("t0", "m")
+    times.answered(key, 0.100, 0.050, 1, 64, DELAY)
+    # Sent 1 ms before the previous batch answered: it may have waited for the queue delay
+    # (or for more rows), so the gap is not its batch's time.
+    times.answered(key, 0.120, 0.099, 1, 64, DELAY)
+    assert times.answered(key, 0.140, 0.130, 1, 64, DELAY) is None
+    # One late member spoils a batch of queued ones.
+    times.answered(key, 0.160, 0.100, 1, 64, DELAY)
+    times.answered(key, 0.1605, 0.139, 1, 64, DELAY)
+    assert times.answered(key, 0.180, 0.170, 1, 64, DELAY) is None
+
+
+def test_short_batches_and_other_keys_are_not_mixed() -> None:
+    times = BatchTimes()
+    a, b = ("t0", "m"), ("t1", "m")
+    times.answered(a, 0.100, 0.050, 1, 64, DELAY)
+    times.answered(b, 0.1002, 0.050, 1, 64, DELAY)  # another instance: not a's batch
+    times.answered(a, 0.103, 0.050, 1, 64, DELAY)  # 3 ms: under MIN_BATCH_S
+    assert times.answered(a, 0.120, 0.050, 1, 64, DELAY) is None
+    assert times.answered(a, 0.140, 0.050, 1, 64, DELAY) == pytest.approx((64, 0.017 + DELAY))
+
+
+def test_the_curve_keeps_its_slope_under_load() -> None:
+    # Under load no request runs alone: a curve fit on a few short requests in the first
+    # seconds has a slope of noise; timed back-to-back batches of long rows give it back.
+    model = CostModel()
+    for cost in (8, 64) * 6:
+        model.observe_alone("m", cost, 0.0075)  # flat: 5 ms + 2 ms delay + network
+    assert (model.curve("m") or (0, 1))[1] == pytest.approx(0.0, abs=1e-9)
+    times = BatchTimes()
+    t = 1.0
+    for i in range(200):
+        rows, longest = (16, 512) if i % 2 else (6, 64)
+        t += 0.005 + 10e-6 * rows * longest
+        sample = times.answered(("t0", "m"), t, 0.0, rows, rows * longest, DELAY)
+        if sample is not None:
+            model.observe_alone("m", *sample)
+    base, per_unit = model.curve("m") or (0.0, 0.0)
+    assert per_unit == pytest.approx(10e-6, rel=0.05)
+    assert base == pytest.approx(0.007, rel=0.1)
