@@ -225,8 +225,10 @@ class CostModel:
 
 
 GROUP_S = 0.001
-"""Answers of one instance and model that come back within this of the first are one batch
-(Triton answers a batch's requests together)."""
+"""Answers of one instance and model that come back within this of the one before are one
+batch: Triton answers a batch's requests together, and the proxy handles them one after
+another (16 answers took 3-5 ms end to end in the integration test, so a window from the first
+answer split batches)."""
 MIN_BATCH_S = 4 * GROUP_S
 """Back-to-back batches shorter than this are not timed: the grouping cannot tell them
 apart. Such models are fit on requests that ran alone."""
@@ -241,6 +243,8 @@ class _Group:
 
     first: float
     """When its first answer came."""
+    last: float
+    """When its latest answer came."""
     prev: float | None
     """When the batch before it first answered: the model instance was free from then."""
     rows: int
@@ -254,17 +258,18 @@ class BatchTimes:
     """Times batches that ran back to back, from the answers of requests in flight.
 
     Triton answers a batch's requests together, so answers of an instance and model that
-    come within :data:`GROUP_S` of each other are one batch: ``rows`` summed, ``longest`` the
-    most units per row among them. When every request of a batch was sent at least the
-    model's ``max_queue_delay`` before the previous batch answered, it was queued and ready
-    then, and the batch started when the previous one ended: its time is the gap between the
-    two batches' first answers, and its units are ``rows x longest`` (padded). A sample is
-    given back when the batch after it starts (:meth:`answered`) and fed to the same fit as
-    a request that ran alone (:meth:`CostModel.observe_alone`), with the queue delay added
-    (a request alone waits it; its network time, a fraction of a millisecond, is not added).
+    come at most :data:`GROUP_S` after the one before are one batch: ``rows`` summed,
+    ``longest`` the most units per row among them. When every request of a batch was sent
+    at least the model's ``max_queue_delay`` before the previous batch answered, it was
+    queued and ready then, and the batch started when the previous one ended: its time is
+    the gap between the two batches' first answers, and its units are ``rows x longest``
+    (padded). A sample is given back when the batch after it starts (:meth:`answered`) and
+    fed to the same fit as a request that ran alone (:meth:`CostModel.observe_alone`), with
+    the queue delay added (a request alone waits it; its network time, a fraction of a
+    millisecond, is not added).
 
     What breaks a sample: another client of the same Triton (or another proxy replica)
-    running batches in between, answers of one batch spread over more than ``GROUP_S``, a
+    running batches in between, a gap of more than ``GROUP_S`` between answers of one batch, a
     batch shorter than :data:`MIN_BATCH_S` (skipped), and Triton's batcher stall
     (``proxy.routing.wake``: a ready batch that waits for the next arrival is timed too long).
     Pure: the caller passes the clock readings. Holds one group per key (instance and model),
@@ -282,7 +287,8 @@ class BatchTimes:
         starts a new batch and that one ran back to back, else None."""
         longest = cost / max(1, rows)
         group = self._groups.get(key)
-        if group is not None and at - group.first <= GROUP_S:
+        if group is not None and at - group.last <= GROUP_S:
+            group.last = at
             group.rows += rows
             group.longest = max(group.longest, longest)
             group.queued = (
@@ -300,5 +306,5 @@ class BatchTimes:
         queued = prev is not None and sent_at + delay_s <= prev
         if group is None and len(self._groups) >= MAX_KEYS:
             del self._groups[next(iter(self._groups))]
-        self._groups[key] = _Group(at, prev, rows, longest, queued)
+        self._groups[key] = _Group(at, at, prev, rows, longest, queued)
         return sample

@@ -255,3 +255,37 @@ async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
                 text = await resp.text()
         line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_occupancy{"))
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0, line
+
+
+async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:
+    # One server, 32 clients at once, max_batch_size 16: each batch runs while the next 16
+    # requests wait in Triton's queue, so nothing runs alone and every batch starts when the
+    # one before it answers. The proxy times those batches from its answers
+    # (proxy.scheduling.cost.BatchTimes): each time must match accel_sim's curve (3 ms +
+    # 2 us per padded token, the model's 2 ms queue delay added), and so must the fit.
+    samples: list[tuple[float, float]] = []
+    with running_proxy(triton_fleet.servers[:1], POLICY) as p:
+        timer = p.runtime.dispatcher._batch_times
+        answered = timer.answered
+
+        def spy(*args: Any) -> tuple[float, float] | None:
+            sample = answered(*args)
+            if sample is not None:
+                samples.append(sample)
+            return sample
+
+        timer.answered = spy  # type: ignore[method-assign]
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            for tokens in (500, 3000):
+
+                async def client(tokens: int = tokens) -> list[int]:
+                    return [await post(session, RT_KEY, tokens) for _ in range(3)]
+
+                statuses = await asyncio.gather(*(client() for _ in range(32)))
+                assert {s for client_statuses in statuses for s in client_statuses} == {200}
+        curve = p.runtime.dispatcher.costs.curve("accel_sim")
+    assert len(samples) >= 4, samples
+    ratios = sorted(seconds / (0.003 + 2e-6 * units + 0.002) for units, seconds in samples)
+    assert 0.8 <= ratios[len(ratios) // 2] <= 1.4, samples
+    assert {units for units, _ in samples} >= {16 * 500.0, 16 * 3000.0}, samples
+    assert curve is not None and 1.5e-6 <= curve[1] <= 2.6e-6, curve

@@ -214,3 +214,14 @@ def test_the_curve_keeps_its_slope_under_load() -> None:
     base, per_unit = model.curve("m") or (0.0, 0.0)
     assert per_unit == pytest.approx(10e-6, rel=0.05)
     assert base == pytest.approx(0.007, rel=0.1)
+
+
+def test_a_batch_answered_over_several_milliseconds_is_one_batch() -> None:
+    # The proxy handles a batch's answers one after another: 16 answers 0.3 ms apart.
+    times = BatchTimes()
+    key = ("t0", "m")
+    times.answered(key, 0.100, 0.050, 1, 500, DELAY)
+    for i in range(16):
+        assert times.answered(key, 0.121 + i * 0.0003, 0.060, 1, 500, DELAY) is None
+    sample = times.answered(key, 0.150, 0.120, 1, 500, DELAY)
+    assert sample == pytest.approx((16 * 500, 0.021 + DELAY))
