@@ -447,57 +447,38 @@ def _catalog() -> dict[str, ArmPlan]:
     ]
     plans.insert(at + 1, delays)
     shallow_gate = next(p for p in plans if p.name == "proxy_shallow_lane")
-    plans.insert(
-        plans.index(delays) + 3,
-        replace(
-            shallow_gate,
-            name="proxy_expected_finish+lane",
-            description="expected_finish with count_delays and the nudge, behind "
-            "proxy_shallow_lane's gate (the lowest class shallow, one instance spare of it)",
-            policy="expected_finish",
-            policy_params={"count_delays": True},
-            routing={"wake": NUDGE_WAKE},
-        ),
+    lane = replace(
+        shallow_gate,
+        name="proxy_expected_finish+lane",
+        description="expected_finish with count_delays and the nudge, behind "
+        "proxy_shallow_lane's gate (the lowest class shallow, one instance spare of it)",
+        policy="expected_finish",
+        policy_params={"count_delays": True},
+        routing={"wake": NUDGE_WAKE},
     )
-    lane = plans[plans.index(delays) + 3]
-    plans.insert(
-        plans.index(lane) + 1,
+    packed = [
         replace(
             lane,
-            name="proxy_expected_finish+lane+pack",
-            description="proxy_expected_finish+lane whose long work is packed into a lane "
-            "(expected_finish pack_above 0: it fills an instance before it opens another) "
-            "rather than replayed",
-            policy_params={"count_delays": True, "pack_above": 0.0},
-        ),
-    )
-    plans.insert(
-        plans.index(lane) + 2,
-        replace(
-            lane,
-            name=f"proxy_expected_finish+lane+pack{round(100 * FINISH_PACK_ABOVE)}",
-            description="proxy_expected_finish+lane whose long work is packed into a lane "
-            f"while the fleet's occupancy is at least {FINISH_PACK_ABOVE}, replayed below",
-            policy_params={"count_delays": True, "pack_above": FINISH_PACK_ABOVE},
-        ),
-    )
-    plans[plans.index(lane) + 3 : plans.index(lane) + 3] = [
-        replace(
-            lane,
-            name=f"proxy_expected_finish+pack{suffix}",
-            description="expected_finish (a request's own finish, no count_delays) with the "
-            f"nudge behind proxy_shallow_lane's gate, long work packed into a lane {when}",
-            policy_params={"pack_above": above},
+            name=f"proxy_expected_finish{'+lane' if count else ''}+pack{suffix}",
+            description=f"expected_finish{' with count_delays' if count else ''} and the "
+            "nudge behind proxy_shallow_lane's gate, long work packed into a lane "
+            f"(pack_above {above}: {when}), short work replayed",
+            policy_params={"count_delays": True, "pack_above": above}
+            if count
+            else {"pack_above": above},
         )
+        for count in (True, False)
         for suffix, above, when in (
             ("", 0.0, "always"),
             (
                 str(round(100 * FINISH_PACK_ABOVE)),
                 FINISH_PACK_ABOVE,
-                f"while the fleet's occupancy is at least {FINISH_PACK_ABOVE}",
+                "while the fleet's occupancy is at least that",
             ),
         )
     ]
+    at = plans.index(delays) + 3
+    plans[at:at] = [lane, *packed]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
