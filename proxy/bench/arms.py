@@ -510,9 +510,10 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "proxy_weighted_score+classes",
     ),
     "quick": ("round_robin", "rr_priority", "proxy_least_requests+classes"),
-    # Issue 10's comparison (point 6): four baselines, the proxy's previous best and the new
-    # configuration, the shallow lane (the best of the eighth and ninth rounds). The earlier
-    # rounds' arms stay in the catalog by name.
+    # Issue 10's comparison (point 6): four baselines, the proxy's previous best, the shallow
+    # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
+    # replay with long work packed near capacity (twenty-second round; it is
+    # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
@@ -520,7 +521,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane",
+        "proxy_expected_finish+lane+pack90",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

@@ -74,6 +74,9 @@ class ExpectedFinish:
                     argmin over shortlist of (w(request) * (finish - now)
                         + sum over requests x in flight of w(x) * (end_with(x) - end_without(x)))
                         / weight,   w(level) = level_weight ** -(rank(level) - 1)
+        with pack_above, a long request while occupancy >= pack_above:
+                    expected_start's ``pack`` key (fill the instance running the most long
+                    work until it is full, then open the one with the fewest short requests)
 
     where ``finish`` replays the batcher with the request added: the batch it joins (by its
     priority level, behind the batch running), how long that batch is padded (its rows x its
@@ -86,7 +89,8 @@ class ExpectedFinish:
     over the shortlist.
 
     Reads ``flights``, ``answered_at``, ``model_in_flight``, ``weight`` and the request's
-    ``batcher``, ``level``, ``rows``, ``cost`` and ``now``.
+    ``batcher``, ``level``, ``rows``, ``cost`` and ``now`` (with ``pack_above`` also
+    ``long``, ``occupancy``, ``class_cap``, ``class_in_flight`` and ``long_in_flight``).
 
     Measured (docs/benchmarks.md, issue 10, twenty-first round): with classes and the
     nudge it beats the best baseline below capacity in ``long_share.yaml`` and ``case.yaml``
@@ -94,7 +98,13 @@ class ExpectedFinish:
     needs a gate that keeps a backlogged throughput class off most instances (the shallow
     lane's ``max_per_instance``, ``shallow_per_instance`` and ``spare_instances``): behind
     the plain gate, that class's backlog refilled every instance and batches padded as under
-    round robin.
+    round robin. Past capacity even behind that gate it collapsed (``case.yaml`` x1.5: 51 %
+    of real-time within its SLO), until long work was packed (``pack_above``) and the cost
+    curve was learned under load as well (``proxy.scheduling.cost.BatchTimes``): then, with
+    ``count_delays``, ``pack_above: 0.9``, the nudge and the lane's gate
+    (``policies/mixed-traffic.yaml``), real-time 0.16-0.76x and online 0.42-0.82x of the best
+    baseline's P99 at every load measured (``case.yaml`` x0.25-x2, ``long_share.yaml``
+    x0.5-x1), 99.9 % of real-time within its SLO at 2x (twenty-second round).
 
     Source: the "shortest expected delay" rule (Whitt, *Deciding which queue to join*, 1986)
     with the delay computed by simulating each server's batcher rather than from queue length;
