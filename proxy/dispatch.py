@@ -547,7 +547,7 @@ class Dispatcher:
                 trace.inside_s = time.perf_counter() - sent_at
                 if not stream:
                     if trace.alone:
-                        self.costs.observe_alone(call.model, call.cost, trace.inside_s)
+                        self.costs.observe_batch(call.model, call.cost, trace.inside_s)
                     delay = r.info.max_queue_delay_s if r.info is not None else None
                     if delay is not None:
                         batch = self._batch_times.answered(
@@ -559,7 +559,7 @@ class Dispatcher:
                             delay,
                         )
                         if batch is not None:
-                            self.costs.observe_alone(call.model, *batch)
+                            self.costs.observe_batch(call.model, *batch)
                     # The gates that admitted it: a canary arm with classes of its own
                     # learns from its own answers, not the main arm's.
                     gates = r.arm.admission

@@ -148,8 +148,9 @@ class _Fit:
 class CostModel:
     """Per model: the typical cost of its requests and its service-time curve.
 
-    ``observe_cost`` sees every request (for the long threshold); ``observe_alone`` sees the
-    timings of requests that ran alone (for the curve). Pure: no clock, no I/O.
+    ``observe_cost`` sees every request (for the long threshold); ``observe_batch`` sees
+    timed batches (for the curve): a request that ran alone (a batch of itself) or a batch
+    :class:`BatchTimes` timed. Pure: no clock, no I/O.
     """
 
     long_ratio: float = 4.0
@@ -184,7 +185,8 @@ class CostModel:
         fit = self._fits.get(model)
         return fit is not None and cost >= self.long_ratio * fit.typical
 
-    def observe_alone(self, model: str, cost: float, seconds: float) -> None:
+    def observe_batch(self, model: str, cost: float, seconds: float) -> None:
+        """A batch of ``cost`` padded units took ``seconds`` (queue delay included)."""
         self._fit(model, cost).add(cost, seconds, self.decay)
         self._curves.pop(model, None)
 
@@ -264,7 +266,7 @@ class BatchTimes:
     queued and ready then, and the batch started when the previous one ended: its time is
     the gap between the two batches' first answers, and its units are ``rows x longest``
     (padded). A sample is given back when the batch after it starts (:meth:`answered`) and
-    fed to the same fit as a request that ran alone (:meth:`CostModel.observe_alone`), with
+    fed to the same fit as a request that ran alone (:meth:`CostModel.observe_batch`), with
     the queue delay added (a request alone waits it; its network time, a fraction of a
     millisecond, is not added).
 

@@ -72,7 +72,7 @@ def test_the_curve_is_learned_from_requests_that_ran_alone() -> None:
     model = CostModel()
     assert model.seconds("m", 100) is None
     for cost in (8, 64, 256, 512) * 10:
-        model.observe_alone("m", cost, 0.005 + 20e-6 * cost)
+        model.observe_batch("m", cost, 0.005 + 20e-6 * cost)
     base, per_unit = model.curve("m") or (0.0, 0.0)
     assert base == pytest.approx(0.005, rel=1e-6)
     assert per_unit == pytest.approx(20e-6, rel=1e-6)
@@ -125,10 +125,10 @@ def test_only_short_shape_texts_are_memoised():
 def test_the_curve_is_computed_once_per_timing_and_overrides_replace_it() -> None:
     model = CostModel()
     for cost in (8, 64, 256, 512) * 10:
-        model.observe_alone("m", cost, 0.005 + 20e-6 * cost)
+        model.observe_batch("m", cost, 0.005 + 20e-6 * cost)
     first = model.curve("m")
     assert model.curve("m") is first  # cached: the same tuple until the next timing
-    model.observe_alone("m", 64, 0.020)
+    model.observe_batch("m", 64, 0.020)
     assert model.curve("m") is not first
     model.set_overrides({"m": CostOverride(base_ms=1, per_unit_us=1)})
     assert model.curve("m") == pytest.approx((0.001, 1e-6))
@@ -201,7 +201,7 @@ def test_the_curve_keeps_its_slope_under_load() -> None:
     # seconds has a slope of noise; timed back-to-back batches of long rows give it back.
     model = CostModel()
     for cost in (8, 64) * 6:
-        model.observe_alone("m", cost, 0.0075)  # flat: 5 ms + 2 ms delay + network
+        model.observe_batch("m", cost, 0.0075)  # flat: 5 ms + 2 ms delay + network
     assert (model.curve("m") or (0, 1))[1] == pytest.approx(0.0, abs=1e-9)
     times = BatchTimes()
     t = 1.0
@@ -210,7 +210,7 @@ def test_the_curve_keeps_its_slope_under_load() -> None:
         t += 0.005 + 10e-6 * rows * longest
         sample = times.answered(("t0", "m"), t, 0.0, rows, rows * longest, DELAY)
         if sample is not None:
-            model.observe_alone("m", *sample)
+            model.observe_batch("m", *sample)
     base, per_unit = model.curve("m") or (0.0, 0.0)
     assert per_unit == pytest.approx(10e-6, rel=0.05)
     assert base == pytest.approx(0.007, rel=0.1)

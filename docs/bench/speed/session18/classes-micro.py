@@ -67,7 +67,7 @@ costs = CostModel()
 costs.observe_cost("simple", 16.0)
 gates.gate("simple", info)
 for _ in range(50):
-    costs.observe_alone("simple", 16.0, 0.0002)
+    costs.observe_batch("simple", 16.0, 0.0002)
 lazy = "if gates.adaptive is not None" in Path(sys.argv[1], "proxy/dispatch.py").read_text()
 
 
