@@ -247,8 +247,9 @@ class _Group:
     """When its first answer came."""
     last: float
     """When its latest answer came."""
-    prev: float | None
-    """When the batch before it first answered: the model instance was free from then."""
+    prev: float
+    """When the batch before it first answered: the model instance was free from then
+    (``-inf``: no batch before it seen, so nothing in it counts as queued)."""
     rows: int
     longest: float
     queued: bool
@@ -293,19 +294,16 @@ class BatchTimes:
             group.last = at
             group.rows += rows
             group.longest = max(group.longest, longest)
-            group.queued = (
-                group.queued and group.prev is not None and sent_at + delay_s <= group.prev
-            )
+            group.queued = group.queued and sent_at + delay_s <= group.prev
             return None
         sample = None
-        prev = None
+        prev = float("-inf")
         if group is not None:
             prev = group.first
-            if group.queued and group.prev is not None:
-                seconds = group.first - group.prev
-                if seconds >= MIN_BATCH_S:
-                    sample = (group.rows * group.longest, seconds + delay_s)
-        queued = prev is not None and sent_at + delay_s <= prev
+            seconds = group.first - group.prev
+            if group.queued and seconds >= MIN_BATCH_S:
+                sample = (group.rows * group.longest, seconds + delay_s)
+        queued = sent_at + delay_s <= prev
         if group is None and len(self._groups) >= MAX_KEYS:
             del self._groups[next(iter(self._groups))]
         self._groups[key] = _Group(at, at, prev, rows, longest, queued)
