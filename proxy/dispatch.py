@@ -540,23 +540,32 @@ class Dispatcher:
                     finally:
                         if resend is not None and instance.resend.get(call.model) is resend:
                             del instance.resend[call.model]
+                    # Timed before the answer is handed on: BatchTimes groups a batch's
+                    # answers by when they came, and writing one to its client takes time.
+                    trace.inside_s = time.perf_counter() - sent_at
                     if r.deliver is not None:
                         r.deliver(result)
                     trace.alone = alone and instance.model_in_flight.get(call.model) == 1
                     in_flight = instance.model_in_flight.get(call.model, 0)
-                trace.inside_s = time.perf_counter() - sent_at
                 if not stream:
                     if trace.alone:
                         self.costs.observe_batch(call.model, call.cost, trace.inside_s)
-                    delay = r.info.max_queue_delay_s if r.info is not None else None
-                    if delay is not None:
+                    info = r.info
+                    # One model instance: with more, batches run side by side, not back to
+                    # back.
+                    if (
+                        info is not None
+                        and info.max_queue_delay_s is not None
+                        and info.model_instances == 1
+                    ):
                         batch = self._batch_times.answered(
                             (instance.name, call.model),
                             sent_at + trace.inside_s,
                             sent_at,
                             call.rows,
                             call.cost,
-                            delay,
+                            info.max_queue_delay_s,
+                            info.max_batch_size,
                         )
                         if batch is not None:
                             self.costs.observe_batch(call.model, *batch)

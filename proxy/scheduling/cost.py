@@ -144,6 +144,10 @@ class _Fit:
         self.samples += 1
 
 
+CLIP = 3.0
+"""A timed batch counts as at most this many times the curve's expectation."""
+
+
 @dataclass
 class CostModel:
     """Per model: the typical cost of its requests and its service-time curve.
@@ -186,7 +190,17 @@ class CostModel:
         return fit is not None and cost >= self.long_ratio * fit.typical
 
     def observe_batch(self, model: str, cost: float, seconds: float) -> None:
-        """A batch of ``cost`` padded units took ``seconds`` (queue delay included)."""
+        """A batch of ``cost`` padded units took ``seconds`` (queue delay included).
+
+        Once the model has a curve, a sample counts as at most :data:`CLIP` times what the
+        curve expects: what spoils a timing (a batcher stall of 500 ms, a batch split by a
+        busy proxy, :class:`BatchTimes`) only ever makes it slow, and one such sample moved
+        a least-squares line for the next hundred. A curve that is truly too low still
+        rises: each sample still pulls it up to that factor higher (the fit's own curve, not
+        an override's, so a reload that drops the override finds the fit unbent by it)."""
+        fitted = self._fitted(model)
+        if fitted is not None:
+            seconds = min(seconds, CLIP * (fitted[0] + fitted[1] * cost))
         self._fit(model, cost).add(cost, seconds, self.decay)
         self._curves.pop(model, None)
 
@@ -202,6 +216,9 @@ class CostModel:
         override = self.overrides.get(model)
         if override is not None:
             return override.base_ms / 1e3, override.per_unit_us / 1e6
+        return self._fitted(model)
+
+    def _fitted(self, model: str) -> tuple[float, float] | None:
         fit = self._fits.get(model)
         if fit is None or fit.samples < 10 or fit.w <= 0:
             return None
@@ -261,20 +278,25 @@ class BatchTimes:
     """Times batches that ran back to back, from the answers of requests in flight.
 
     Triton answers a batch's requests together, so answers of an instance and model that
-    come at most :data:`GROUP_S` after the one before are one batch: ``rows`` summed,
-    ``longest`` the most units per row among them. When every request of a batch was sent
-    at least the model's ``max_queue_delay`` before the previous batch answered, it was
-    queued and ready then, and the batch started when the previous one ended: its time is
-    the gap between the two batches' first answers, and its units are ``rows x longest``
-    (padded). A sample is given back when the batch after it starts (:meth:`answered`) and
-    fed to the same fit as a request that ran alone (:meth:`CostModel.observe_batch`), with
-    the queue delay added (a request alone waits it; its network time, a fraction of a
-    millisecond, is not added).
+    come at most :data:`GROUP_S` after the one before are one batch, as are stragglers a
+    busy proxy handled later and no answer past ``max_batch_size`` rows (:func:`_joins`):
+    ``rows`` summed, ``longest`` the most units per row among them. When every request of a
+    batch was sent at least the model's ``max_queue_delay`` before the previous batch
+    answered, it was queued and ready then, and the batch started when the previous one
+    ended: its time is the gap between the two batches' first answers, and its units are
+    ``rows x longest`` (padded). A sample is given back when the batch after it starts
+    (:meth:`answered`) and fed to the same fit as a request that ran alone
+    (:meth:`CostModel.observe_batch`), with the queue delay added (a request alone waits it;
+    its network time, a fraction of a millisecond, is not added).
 
     What breaks a sample: another client of the same Triton (or another proxy replica)
-    running batches in between, a gap of more than ``GROUP_S`` between answers of one batch, a
-    batch shorter than :data:`MIN_BATCH_S` (skipped), and Triton's batcher stall
-    (``proxy.routing.wake``: a ready batch that waits for the next arrival is timed too long).
+    running batches in between, a model with more than one model instance (two batches run at
+    once: the caller does not time those), answers of one batch handled further apart than
+    :func:`_joins` allows (the part answered first is timed as the whole batch with fewer
+    rows: too slow for its units; the rest is timed from it: too fast), a batch shorter than
+    :data:`MIN_BATCH_S` (skipped), and Triton's batcher stall (``proxy.routing.wake``: a ready
+    batch that waits for the next arrival is timed too long). :meth:`CostModel.observe_batch`
+    bounds how far one slow sample moves the curve.
     Pure: the caller passes the clock readings. Holds one group per key (instance and model),
     at most :data:`MAX_KEYS`.
     """
@@ -283,14 +305,22 @@ class BatchTimes:
         self._groups: dict[Hashable, _Group] = {}
 
     def answered(
-        self, key: Hashable, at: float, sent_at: float, rows: int, cost: float, delay_s: float
+        self,
+        key: Hashable,
+        at: float,
+        sent_at: float,
+        rows: int,
+        cost: float,
+        delay_s: float,
+        max_batch: int,
     ) -> tuple[float, float] | None:
         """A request of ``rows`` and ``cost`` sent at ``sent_at`` answered at ``at`` on
-        ``key``. Returns ``(units, seconds)`` of the batch before it when this answer
-        starts a new batch and that one ran back to back, else None."""
+        ``key``, a model whose batches hold at most ``max_batch`` rows.
+        Returns ``(units, seconds)`` of the batch before it when this answer starts a new
+        batch and that one ran back to back, else None."""
         longest = cost / max(1, rows)
         group = self._groups.get(key)
-        if group is not None and at - group.last <= GROUP_S:
+        if group is not None and _joins(group, at, sent_at, rows, delay_s, max_batch):
             group.last = at
             group.rows += rows
             group.longest = max(group.longest, longest)
@@ -308,3 +338,30 @@ class BatchTimes:
             del self._groups[next(iter(self._groups))]
         self._groups[key] = _Group(at, at, prev, rows, longest, queued)
         return sample
+
+
+def _joins(
+    group: _Group, at: float, sent_at: float, rows: int, delay_s: float, max_batch: int
+) -> bool:
+    """Whether an answer belongs to ``group``'s batch.
+
+    Never when its rows would make the batch larger than the model's ``max_batch_size``.
+    Yes when it came within :data:`GROUP_S` of the answer before. Also, later (a *straggler*:
+    a busy proxy handled the answers of one batch over several milliseconds, measured on a
+    2-core CI machine), when the batch was timed back to back, this request was ready when
+    that batch began, the batch had room for it (Triton's batcher takes every ready request
+    up to ``max_batch_size``) and the answer came within half the batch's time (at least
+    :data:`MIN_BATCH_S`) of its first answer: then it was in that batch. (A process that shares
+    its cores with a busy one is descheduled for several milliseconds at a time: a 21 ms batch
+    handled as 1 row, then 15 rows 6.6 ms later, was measured so with a busy loop beside the
+    integration test on 2 cores.) What this rule gets wrong: a model whose batcher cuts
+    batches short of room (``preferred_batch_size``, or inputs of unequal shapes that are not
+    ragged) and whose next batch is shorter than half the one before: that batch's rows count
+    in the one before.
+    """
+    if group.rows + rows > max_batch:
+        return False
+    if at - group.last <= GROUP_S:
+        return True
+    window = max(MIN_BATCH_S, (group.first - group.prev) / 2)
+    return group.queued and sent_at + delay_s <= group.prev and at - group.first < window

@@ -257,12 +257,6 @@ async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0, line
 
 
-@pytest.mark.xfail(
-    reason="known defect (session 23 note, docs/scheduling.md): on a busy 2-core machine the "
-    "proxy handles a batch's answers over more than GROUP_S and BatchTimes splits batches; "
-    "fresh-clone CI fitted 1.46 us/token against 2. Passes on a quiet machine.",
-    strict=False,
-)
 async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:
     # One server, 32 clients at once, max_batch_size 16: each batch runs while the next 16
     # requests wait in Triton's queue, so nothing runs alone and every batch starts when the
