@@ -145,7 +145,8 @@ class _Fit:
 
 
 CLIP = 3.0
-"""A timed batch counts as at most this many times the curve's expectation."""
+"""A timed batch counts as at most this many times the curve's expectation, and at least
+its fraction."""
 
 
 @dataclass
@@ -193,14 +194,16 @@ class CostModel:
         """A batch of ``cost`` padded units took ``seconds`` (queue delay included).
 
         Once the model has a curve, a sample counts as at most :data:`CLIP` times what the
-        curve expects: what spoils a timing (a batcher stall of 500 ms, a batch split by a
-        busy proxy, :class:`BatchTimes`) only ever makes it slow, and one such sample moved
-        a least-squares line for the next hundred. A curve that is truly too low still
-        rises: each sample still pulls it up to that factor higher (the fit's own curve, not
-        an override's, so a reload that drops the override finds the fit unbent by it)."""
+        curve expects, and at least that fraction of it: what spoils a timing (a batcher
+        stall of 500 ms, a batch split by a busy proxy, :class:`BatchTimes`) is far off, and
+        one such sample moved a least-squares line for the next hundred. A curve that is
+        truly wrong still moves: each sample pulls it up to that factor (the fit's own curve,
+        not an override's, so a reload that drops the override finds the fit unbent by
+        it)."""
         fitted = self._fitted(model)
         if fitted is not None:
-            seconds = min(seconds, CLIP * (fitted[0] + fitted[1] * cost))
+            expected = fitted[0] + fitted[1] * cost
+            seconds = min(max(seconds, expected / CLIP), CLIP * expected)
         self._fit(model, cost).add(cost, seconds, self.decay)
         self._curves.pop(model, None)
 

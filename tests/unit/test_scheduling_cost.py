@@ -275,6 +275,9 @@ def test_one_stalled_batch_moves_the_curve_by_a_bounded_amount() -> None:
     assert before == pytest.approx(0.007)
     # Unclipped, one sample of 40 (decayed weights) moves the line by ~ 0.5 / 30.
     assert after - before < 0.2 * before
+    # A batch split by a busy proxy, timed from its first part: 2000 units in 0.3 ms.
+    model.observe_batch("m", 2000.0, 0.0003)
+    assert (model.seconds("m", 2000.0) or 0.0) > 0.95 * 0.009
 
 
 def test_a_curve_far_too_low_still_climbs_to_the_truth() -> None:
