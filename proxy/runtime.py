@@ -309,8 +309,12 @@ class Runtime:
         """Every ``SAMPLE_S``: the fleet's busy share per model (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
-            fleet = self.fleet
-            fleet.occupancy.sample(busy_shares(fleet.instances.values()), self.clock.now())
+            fleet, gates = self.fleet, self.gates
+            fleet.occupancy.sample(
+                busy_shares(fleet.instances.values()),
+                self.clock.now(),
+                gates.saturated() if gates is not None else (),
+            )
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)

@@ -14,7 +14,15 @@ the model that have at least one of the proxy's requests of it in flight (queued
 running), smoothed by an exponential moving average with time constant ``tau_s``. It counts
 whatever holds an instance, so it is near 1 at the fleet's capacity whatever the batches
 look like, and it does not depend on where placement put the work (every instance counts
-the same). It is sampled by the runtime's periodic scan (``SAMPLE_S``), never on the request
+the same). A model whose gate holds waiting requests of a class without a per-instance cap
+(the model's slots are all taken: the fleet is at its limit) is *saturated*: its occupancy is
+1 at once, and decays from there with ``tau_s`` once the wait is gone. Why: a surge from
+light load to twice capacity took the average about 5 s to reach 0.9, and in those seconds
+``expected_finish`` (``pack_above: 0.9``) spread long rows onto every instance; Triton's
+queues filled with padded mixed batches (55 queued per instance) and the fleet never came
+back (``long_share.yaml`` x2: real-time 89-92 % within its SLO, online 0 %, offline nothing,
+where packing from the first request held 100 % / 100 %; docs/benchmarks.md, twenty-third
+round). It is sampled by the runtime's periodic scan (``SAMPLE_S``), never on the request
 path. Each worker of ``serve --workers N`` sees only its own requests: the share it measures
 is that of the instances holding *its* work, a lower bound of the fleet's.
 """
@@ -22,7 +30,7 @@ is that of the instances holding *its* work, a lower bound of the fleet's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,18 +73,21 @@ class Occupancy:
         self.values: dict[str, float] = {}
         self._at: float | None = None
 
-    def sample(self, shares: dict[str, float], now: float) -> None:
+    def sample(self, shares: dict[str, float], now: float, saturated: Collection[str] = ()) -> None:
         """Fold in the busy shares seen at clock time ``now``: ``v += a * (share - v)`` with
         ``a = 1 - exp(-dt / tau_s)``, ``dt`` since the previous sample (a model not seen
-        before starts from 0)."""
+        before starts from 0); a ``saturated`` model's value is 1 (module doc)."""
         dt = 0.0 if self._at is None else max(0.0, now - self._at)
         self._at = now
         a = 1.0 - math.exp(-dt / self.tau_s)
         values = self.values
-        for model in values.keys() | shares.keys():
+        for model in values.keys() | shares.keys() | set(saturated):
             share = shares.get(model, 0.0)
-            v = values.get(model, 0.0)
-            v += a * (share - v)
+            if model in saturated:
+                v = 1.0
+            else:
+                v = values.get(model, 0.0)
+                v += a * (share - v)
             if v < 1e-4 and not share:
                 values.pop(model, None)
             else:

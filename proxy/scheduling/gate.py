@@ -224,6 +224,9 @@ class Gate:
     def queued(self, class_name: str | None = None) -> int:
         return self._core.queued(class_name)
 
+    def queued_uncapped(self) -> int:
+        return self._core.queued_uncapped()
+
     def in_flight(self, class_name: str | None = None) -> int:
         return self._core.in_flight(class_name)
 

@@ -199,6 +199,11 @@ class ModelGates:
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
         return ModelAdmission(self.gate(model, info), class_name, deadline, priority)
 
+    def saturated(self) -> set[str]:
+        """Models with requests of a class without a per-instance cap waiting at the gate
+        (``proxy.routing.occupancy``: their occupancy counts as 1 at once)."""
+        return {model for model, gate in self.gates.items() if gate.queued_uncapped()}
+
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""
         return sum(gate.queued() for gate in self.gates.values())

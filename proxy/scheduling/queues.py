@@ -151,6 +151,13 @@ class ClassQueues(Generic[T]):
         q = self._queues.get(class_name)
         return len(q) if q is not None else 0
 
+    def queued_uncapped(self) -> int:
+        """Requests waiting in classes without ``max_per_instance``: such a request waits
+        only when the model's slots are taken (or its class's share or cap is), not for a
+        per-instance cap of its own."""
+        classes = self._config.classes
+        return sum(len(q) for n, q in self._queues.items() if classes[n].max_per_instance is None)
+
     def queued_ahead(self, class_name: str) -> int:
         """Requests queued in ``class_name`` and in more important classes (lower rank)."""
         rank = self._config.classes[class_name].rank

@@ -45,3 +45,16 @@ def test_occupancy_starts_a_new_model_from_zero_and_checks_its_time_constant() -
     assert occ.get("m") == pytest.approx(1 - math.exp(-1))
     with pytest.raises(ValueError, match="tau_s"):
         Occupancy(tau_s=0.0)
+
+
+def test_a_saturated_model_is_fully_occupied_at_once_and_decays_from_there() -> None:
+    # Requests of an uncapped class wait at the gate: the fleet is at its limit now, whatever
+    # the average has seen so far (a surge from light load).
+    occ = Occupancy(tau_s=2.0)
+    occ.sample({"m": 0.3}, 0.0)
+    occ.sample({"m": 0.3}, 0.1, saturated={"m"})
+    assert occ.get("m") == 1.0
+    occ.sample({"m": 1 / 3}, 2.1)  # the wait is gone: back towards the busy share
+    assert occ.get("m") == pytest.approx(1 / 3 + (1 - 1 / 3) * math.exp(-1))
+    occ.sample({}, 2.2, saturated={"n"})  # waiting with nothing in flight yet
+    assert occ.get("n") == 1.0

@@ -585,3 +585,12 @@ def _take_against_push_and_pop(seed: int) -> bool:
         pushed_q.remove(entry)
     assert _state(q) == _state(pushed_q), f"seed {seed}"
     return taken
+
+
+def test_only_uncapped_classes_waiting_count_as_the_fleet_at_its_limit() -> None:
+    # proxy.routing.occupancy: a model whose uncapped classes wait at the gate is saturated.
+    q = make({"online": {"rank": 0}, "offline": {"rank": 1, "max_per_instance": 1}})
+    q.push("a", "offline", 0.0)
+    assert q.queued_uncapped() == 0  # waits for its own cap, not for the fleet
+    q.push("b", "online", 0.0)
+    assert q.queued_uncapped() == 1
