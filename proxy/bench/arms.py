@@ -54,9 +54,7 @@ Every arm sends the same schedule to the same local Triton servers:
   behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it);
   ``+lane+pack``: ``+lane`` whose long work is packed into a lane (``pack_above`` 0);
   ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more;
-  ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``;
-  ``+lane+pack90to75`` and ``+lane+pack90to60``: ``+lane+pack90`` that keeps packing until
-  the occupancy falls below :data:`FINISH_PACK_BELOW` (``pack_below``).
+  ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -131,11 +129,6 @@ FINISH_PACK_ABOVE = 0.9
 """``pack_above`` of ``proxy_expected_finish+lane+pack90``: near capacity, where the
 occupancy (any of the proxy's requests in flight on an instance) is close to 1 and mixed
 batches would hold the fleet to its FIFO capacity; below it the replay mixes them."""
-
-FINISH_PACK_BELOW = (0.75, 0.6)
-"""``pack_below`` of ``proxy_expected_finish+lane+pack90to75`` and ``...to60``: once packing,
-keep on until the occupancy falls below it (at ``long_share.yaml`` x2 it averaged 0.94 with
-a 10th percentile of 0.8, and every dip under 0.9 spread long work, twenty-second round)."""
 
 NUDGE_WAKE = {"min_quiet_ms": 6, "scan_ms": 3, "margin": 1.5, "nudge": True}
 """``routing.wake`` of the ``+nudge`` arms: quiet after 1.5 expected batch times of what the
@@ -484,27 +477,8 @@ def _catalog() -> dict[str, ArmPlan]:
             ),
         )
     ]
-    # Hysteresis (session 24): pack from FINISH_PACK_ABOVE until the occupancy falls below
-    # each of these.
-    held = [
-        replace(
-            lane,
-            name=f"proxy_expected_finish+lane+pack{round(100 * FINISH_PACK_ABOVE)}"
-            f"to{round(100 * below)}",
-            description="expected_finish with count_delays and the nudge behind "
-            "proxy_shallow_lane's gate, long work packed into a lane from an occupancy of "
-            f"{FINISH_PACK_ABOVE} until it falls below {below} (pack_below), short work "
-            "replayed",
-            policy_params={
-                "count_delays": True,
-                "pack_above": FINISH_PACK_ABOVE,
-                "pack_below": below,
-            },
-        )
-        for below in FINISH_PACK_BELOW
-    ]
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed, *held]
+    plans[at:at] = [lane, *packed]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

@@ -9,7 +9,7 @@ from typing import Any
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.batcher import Job
-from proxy.routing.expected_start import ExpectedStart, ExpectedStartParams, check_pack_below
+from proxy.routing.expected_start import ExpectedStart, ExpectedStartParams
 from proxy.routing.select import load_params, pick_min, weight_of
 from proxy.routing.view import LevelSequence, ModelView
 
@@ -52,14 +52,9 @@ class ExpectedFinishParams:
     its SLO, the lane 100 %; packing only the capped class was not enough (65 %): online's
     512-token rows, one in ten, still padded every instance's batches."""
 
-    pack_below: float | None = None
-    """With ``pack_above``: keep packing until the occupancy falls below this (hysteresis,
-    ``ExpectedStartParams.pack_below``, which says why)."""
-
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
             raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
-        check_pack_below(self.pack_above, self.pack_below)
         if self.consider < 1:
             raise ValueError(f"consider must be >= 1, got {self.consider}")
         if self.level_weight < 1:
@@ -130,10 +125,7 @@ class ExpectedFinish:
             None
             if pack_above is None
             else ExpectedStart(
-                ExpectedStartParams(
-                    long_placement="pack", pack_above=pack_above, pack_below=params.pack_below
-                ),
-                rng,
+                ExpectedStartParams(long_placement="pack", pack_above=pack_above), rng
             )
         )
 

@@ -41,15 +41,6 @@ class ExpectedStartParams:
     the best baseline's 18.9 / 28.0, the lane 16.1 / 41.1; but on ``case.yaml`` x0.25 its
     spread long rows hit Triton's batcher stall on instances the wake does not judge (P99
     256 against the lane's 64 ms). Opt-in."""
-    pack_below: float | None = None
-    """With ``pack_above``: once packing, keep packing until the occupancy falls below this
-    (hysteresis; at most ``pack_above``). None (the default): stop below ``pack_above``.
-    Why: at twice capacity the occupancy of ``long_share.yaml`` averaged 0.94 but dipped to
-    0.8 (10th percentile); with ``pack_above: 0.9`` alone, the long work placed in those dips
-    was spread onto the short instances, and the fleet collapsed (real-time 92.5 % within
-    its SLO, online 0 %) where packing always held (100 % / 100 %; docs/benchmarks.md,
-    twenty-second round). The state is per model and per policy object (a reload starts it
-    afresh), set only by long requests of models the catalog serves."""
     spread_alone: bool = False
     """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
     work of a more important priority level in flight (``Candidate.above``) as holding one
@@ -126,19 +117,6 @@ class ExpectedStartParams:
             raise ValueError(f"lane_depth must be >= 1 or null, got {self.lane_depth}")
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
             raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
-        check_pack_below(self.pack_above, self.pack_below)
-
-
-def check_pack_below(pack_above: float | None, pack_below: float | None) -> None:
-    """``pack_below`` needs ``pack_above`` and lies within ``[0, pack_above]``."""
-    if pack_below is None:
-        return
-    if pack_above is None:
-        raise ValueError("pack_below needs pack_above")
-    if not 0.0 <= pack_below <= pack_above:
-        raise ValueError(
-            f"pack_below must be within [0, pack_above = {pack_above}], got {pack_below}"
-        )
 
 
 class ExpectedStart:
@@ -200,25 +178,15 @@ class ExpectedStart:
     def __init__(self, params: ExpectedStartParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
-        self._packing: set[str] = set()
-        """Models whose occupancy reached ``pack_above`` and has not fallen below
-        ``pack_below`` since."""
 
     def packs(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work placed by ``pack`` (at this occupancy)."""
         p = self.params
-        if not request.long or p.long_placement != "pack":
-            return False
-        if p.pack_above is None:
-            return True
-        occupancy, model, packing = request.occupancy, request.model, self._packing
-        if occupancy >= p.pack_above:
-            packing.add(model)
-            return True
-        if model in packing and p.pack_below is not None and occupancy >= p.pack_below:
-            return True
-        packing.discard(model)
-        return False
+        return (
+            request.long
+            and p.long_placement == "pack"
+            and (p.pack_above is None or request.occupancy >= p.pack_above)
+        )
 
     def to_idle(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""

@@ -14,14 +14,20 @@ the model that have at least one of the proxy's requests of it in flight (queued
 running), smoothed by an exponential moving average with time constant ``tau_s``. It counts
 whatever holds an instance, so it is near 1 at the fleet's capacity whatever the batches
 look like, and it does not depend on where placement put the work (every instance counts
-the same). A model whose gate holds waiting requests of a class without a per-instance cap
-(the model's slots are all taken: the fleet is at its limit) is *saturated*: its occupancy is
-1 at once, and decays from there with ``tau_s`` once the wait is gone. Why: a surge from
-light load to twice capacity took the average about 5 s to reach 0.9, and in those seconds
-``expected_finish`` (``pack_above: 0.9``) spread long rows onto every instance; Triton's
-queues filled with padded mixed batches (55 queued per instance) and the fleet never came
-back (``long_share.yaml`` x2: real-time 89-92 % within its SLO, online 0 %, offline nothing,
-where packing from the first request held 100 % / 100 %; docs/benchmarks.md, twenty-third
+the same). A model at the fleet's limit now is *saturated* (``ModelGates.saturated``: a
+request of a class without a per-instance cap waits at the gate, or a full batch is in flight
+per instance): its occupancy is 1 at once, and decays from there with ``tau_s`` once it is
+not. Why: a surge from idle to twice capacity took the average about 5 s to reach 0.9, and
+in those seconds ``expected_finish`` (``pack_above: 0.9``) spread online's long rows onto
+every instance; Triton's queues filled with padded mixed batches (55 queued per instance),
+every instance then held more long work than a lane's depth, so packing found no lane and
+kept spreading, and the fleet never came back (``long_share.yaml`` x2: real-time 89-92 %
+within its SLO, online 0 %, offline nothing; packing from the first request held 100 % /
+100 %). Neither a hysteresis on the average (keep packing down to 0.6) nor the gate's wait
+alone (it comes only once all 64 slots per instance are taken, 0.5-1 s in) nor 32 slots
+or adaptive concurrency changed that; a batch in flight per instance comes within about
+0.25 s, and with it the same arm held (100 % / 100 %, offline 286 per window;
+docs/benchmarks.md, twenty-third
 round). It is sampled by the runtime's periodic scan (``SAMPLE_S``), never on the request
 path. Each worker of ``serve --workers N`` sees only its own requests: the share it measures
 is that of the instances holding *its* work, a lower bound of the fleet's.

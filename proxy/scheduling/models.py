@@ -200,9 +200,18 @@ class ModelGates:
         return ModelAdmission(self.gate(model, info), class_name, deadline, priority)
 
     def saturated(self) -> set[str]:
-        """Models with requests of a class without a per-instance cap waiting at the gate
-        (``proxy.routing.occupancy``: their occupancy counts as 1 at once)."""
-        return {model for model, gate in self.gates.items() if gate.queued_uncapped()}
+        """Models at the fleet's limit now (``proxy.routing.occupancy``: their occupancy
+        counts as 1 at once): requests of a class without a per-instance cap wait at the
+        gate, or a full batch (``max_batch_size`` rows' worth of requests) is in flight per
+        instance serving the model, one batch queued behind each running one (this
+        worker's share of them with ``serve --workers``)."""
+        out = set()
+        for model, gate in self.gates.items():
+            info = self._infos[model]
+            full = max(1, info.max_batch_size) * len(self.fleet.serving(model)) / self.workers
+            if gate.queued_uncapped() or gate.in_flight() >= max(1.0, full):
+                out.add(model)
+        return out
 
     def queued_total(self) -> int:
         """Requests waiting in any model's class queue."""

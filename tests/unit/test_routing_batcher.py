@@ -171,30 +171,3 @@ def test_pack_above_packs_long_work_into_a_lane_under_load() -> None:
     assert lane.choose([a, b, c], replace(request(Job(1, 1, 32.0)), occupancy=0.95)).name == "b"
     with pytest.raises(ValueError, match="pack_above"):
         build_policy("expected_finish", {"pack_above": 1.5}, random.Random(0))
-
-
-def test_pack_below_keeps_packing_through_a_dip_in_occupancy() -> None:
-    # Hysteresis: packing starts at pack_above (0.9) and stops only below pack_below (0.6).
-    offline = (NOW - 0.001, work(3, 512, rows=4))
-    a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
-    b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
-    c = candidate("c", [], NOW - 0.01)
-    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True)
-    lane = build_policy("expected_finish", {"pack_above": 0.9, "pack_below": 0.6}, random.Random(0))
-    fleet = [a, b, c]
-    assert lane.choose(fleet, replace(capped, occupancy=0.8)).name == "c"  # not yet packing
-    assert lane.choose(fleet, replace(capped, occupancy=0.95)).name == "a"  # packing from here
-    assert lane.choose(fleet, replace(capped, occupancy=0.8)).name == "a"  # a dip: still
-    assert lane.choose(fleet, replace(capped, occupancy=0.65)).name == "a"
-    assert lane.choose(fleet, replace(capped, occupancy=0.5)).name == "c"  # below: replayed
-    assert lane.choose(fleet, replace(capped, occupancy=0.8)).name == "c"  # until 0.9 again
-    # Another model has its own state.
-    other = replace(capped, model="other", occupancy=0.8)
-    assert lane.choose(fleet, replace(capped, occupancy=0.95)).name == "a"
-    assert lane.choose(fleet, other).name == "c"
-    for params, match in (
-        ({"pack_below": 0.5}, "pack_below needs pack_above"),
-        ({"pack_above": 0.5, "pack_below": 0.6}, "pack_below must be within"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            build_policy("expected_finish", params, random.Random(0))

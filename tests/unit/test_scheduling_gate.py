@@ -9,8 +9,11 @@ from typing import Any
 import pytest
 
 from proxy.clock import Clock, FakeClock, MonotonicClock
+from proxy.fleet.catalog import ModelInfo
+from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec
 from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.gate import Gate, RecordingObserver, Shed, Ticket
+from proxy.scheduling.models import ModelGates
 from proxy.scheduling.queues import ShedReason
 
 CLASSES = {
@@ -299,3 +302,56 @@ async def test_admission_with_a_free_slot_does_not_yield_to_the_loop(h: Harness)
         await asyncio.create_task(run())
     assert entered == [0]
     assert h.gate.in_flight() == 0 and h.observer.completes == ["rt"]
+
+
+async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_one_waits() -> None:
+    # proxy.routing.occupancy reads it: the fleet is at its limit now.
+    clock = FakeClock()
+    fleet = Fleet(
+        (InstanceSpec("a", "http://127.0.0.1:1"), InstanceSpec("b", "http://127.0.0.1:2")),
+        HealthConfig(),
+        clock,
+    )
+    section = {
+        "default_class": "on",
+        "concurrency": 8,
+        "classes": {"on": {"rank": 0}, "off": {"rank": 1, "max_per_instance": 1}},
+    }
+    gates = ModelGates(load_scheduling(section), fleet, clock, RecordingObserver())
+    info = ModelInfo(max_batch_size=4, priority_levels=0, model_instances=1, decoupled=False)
+    hold = asyncio.Event()
+
+    async def request(cls: str) -> None:
+        async with gates.admit("m", info, cls):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(request("on")) for _ in range(7)]
+    await settle()
+    assert gates.saturated() == set()  # 7 in flight: less than a batch of 4 on each of 2
+    tasks.append(asyncio.create_task(request("on")))
+    await settle()
+    assert gates.saturated() == {"m"}
+    hold.set()
+    await asyncio.gather(*tasks)
+    hold.clear()
+    # Slots of 2 x 1: the third request of a capped class waits for its own cap (no); one of
+    # an uncapped class waits for the fleet (yes).
+    small = ModelGates(
+        load_scheduling({**section, "concurrency": 1}), fleet, clock, RecordingObserver()
+    )
+    big = ModelInfo(max_batch_size=16, priority_levels=0, model_instances=1, decoupled=False)
+
+    async def small_request(cls: str) -> None:
+        async with small.admit("m", big, cls):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(small_request("off")) for _ in range(3)]
+    await settle()
+    assert small.gates["m"].queued() == 1 and small.saturated() == set()
+    tasks.append(asyncio.create_task(small_request("on")))
+    await settle()
+    assert small.saturated() == {"m"}
+    hold.set()
+    await asyncio.gather(*tasks)
+    small.close()
+    gates.close()
