@@ -216,27 +216,23 @@ def test_the_curve_keeps_its_slope_under_load() -> None:
     assert base == pytest.approx(0.007, rel=0.1)
 
 
-def test_a_batch_answered_over_several_milliseconds_is_one_batch() -> None:
-    # The proxy handles a batch's answers one after another: 16 answers 0.3 ms apart.
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        # The proxy handles a batch's answers one after another: 16 answers 0.3 ms apart.
+        [i * 0.0003 for i in range(16)],
+        # A descheduled proxy handled 15 answers of the 16-row, 21 ms batch 6.6 ms after the
+        # first (measured with a busy loop beside it on 2 cores): they were ready when the
+        # batch began and it had room, so they were in it.
+        [0.0] + [0.0066] * 15,
+    ],
+)
+def test_a_batch_answered_over_several_milliseconds_is_one_batch(offsets: list[float]) -> None:
     times = BatchTimes()
     key = ("t0", "m")
     times.answered(key, 0.100, 0.050, 1, 500, DELAY, 16)
-    for i in range(16):
-        assert times.answered(key, 0.121 + i * 0.0003, 0.060, 1, 500, DELAY, 16) is None
-    sample = times.answered(key, 0.150, 0.120, 1, 500, DELAY, 16)
-    assert sample == pytest.approx((16 * 500, 0.021 + DELAY))
-
-
-def test_answers_handled_late_by_a_busy_proxy_stay_in_their_batch() -> None:
-    # A descheduled proxy handled 15 answers of a 16-row, 21 ms batch 6.6 ms after the
-    # first (measured with a busy loop beside it on 2 cores): they were ready when the batch
-    # began and it had room, so they were in it.
-    times = BatchTimes()
-    key = ("t0", "m")
-    times.answered(key, 0.100, 0.050, 1, 500, DELAY, 16)
-    for i in range(16):
-        at = 0.121 + (0.0066 if i >= 1 else 0.0)
-        assert times.answered(key, at, 0.060, 1, 500, DELAY, 16) is None
+    for offset in offsets:
+        assert times.answered(key, 0.121 + offset, 0.060, 1, 500, DELAY, 16) is None
     sample = times.answered(key, 0.150, 0.120, 1, 500, DELAY, 16)
     assert sample == pytest.approx((16 * 500, 0.021 + DELAY))
 

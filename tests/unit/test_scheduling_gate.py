@@ -321,8 +321,8 @@ async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_on
     info = ModelInfo(max_batch_size=4, priority_levels=0, model_instances=1, decoupled=False)
     hold = asyncio.Event()
 
-    async def request(cls: str) -> None:
-        async with gates.admit("m", info, cls):
+    async def request(cls: str, g: ModelGates = gates, info: ModelInfo = info) -> None:
+        async with g.admit("m", info, cls):
             await hold.wait()
 
     tasks = [asyncio.create_task(request("on")) for _ in range(7)]
@@ -340,15 +340,10 @@ async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_on
         load_scheduling({**section, "concurrency": 1}), fleet, clock, RecordingObserver()
     )
     big = ModelInfo(max_batch_size=16, priority_levels=0, model_instances=1, decoupled=False)
-
-    async def small_request(cls: str) -> None:
-        async with small.admit("m", big, cls):
-            await hold.wait()
-
-    tasks = [asyncio.create_task(small_request("off")) for _ in range(3)]
+    tasks = [asyncio.create_task(request("off", small, big)) for _ in range(3)]
     await settle()
     assert small.gates["m"].queued() == 1 and small.saturated() == set()
-    tasks.append(asyncio.create_task(small_request("on")))
+    tasks.append(asyncio.create_task(request("on", small, big)))
     await settle()
     assert small.saturated() == {"m"}
     hold.set()
