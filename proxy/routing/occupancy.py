@@ -27,10 +27,10 @@ within its SLO, online 0 %, offline nothing; packing from the first request held
 alone (it comes only once all 64 slots per instance are taken, 0.5-1 s in) nor 32 slots
 or adaptive concurrency changed that; a batch in flight per instance comes within about
 0.25 s, and with it the same arm held (100 % / 100 %, offline 286 per window;
-docs/benchmarks.md, twenty-third
-round). It is sampled by the runtime's periodic scan (``SAMPLE_S``), never on the request
-path. Each worker of ``serve --workers N`` sees only its own requests: the share it measures
-is that of the instances holding *its* work, a lower bound of the fleet's.
+docs/benchmarks.md, twenty-third round). It is sampled by the runtime's periodic scan
+(``SAMPLE_S``), never on the request path. Each worker of ``serve --workers N`` sees only its
+own requests: the share it measures is that of the instances holding *its* work, a lower
+bound of the fleet's.
 """
 
 from __future__ import annotations

@@ -350,14 +350,14 @@ def _joins(
 
     Never when its rows would make the batch larger than the model's ``max_batch_size``.
     Yes when it came within :data:`GROUP_S` of the answer before. Also, later (a *straggler*:
-    a busy proxy handled the answers of one batch over several milliseconds, measured on a
-    2-core CI machine), when the batch was timed back to back, this request was ready when
-    that batch began, the batch had room for it (Triton's batcher takes every ready request
-    up to ``max_batch_size``) and the answer came within half the batch's time (at least
-    :data:`MIN_BATCH_S`) of its first answer: then it was in that batch. (A process that shares
-    its cores with a busy one is descheduled for several milliseconds at a time: a 21 ms batch
-    handled as 1 row, then 15 rows 6.6 ms later, was measured so with a busy loop beside the
-    integration test on 2 cores.) What this rule gets wrong: a model whose batcher cuts
+    a busy proxy handled the answers of one batch over several milliseconds), when the batch
+    was timed back to back, this request was ready when that batch began, the batch had room
+    for it (Triton's batcher takes every ready request up to ``max_batch_size``) and the
+    answer came within half the batch's time (at least :data:`MIN_BATCH_S`) of its first
+    answer: then it was in that batch. (A process that shares its cores with a busy one is
+    descheduled for several milliseconds at a time: a 21 ms batch handled as 1 row, then 15
+    rows 6.6 ms later, was measured so with a busy loop beside the integration test on 2
+    cores.) What this rule gets wrong: a model whose batcher cuts
     batches short of room (``preferred_batch_size``, or inputs of unequal shapes that are not
     ragged) and whose next batch is shorter than half the one before: that batch's rows count
     in the one before.

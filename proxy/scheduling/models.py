@@ -202,9 +202,10 @@ class ModelGates:
     def saturated(self) -> set[str]:
         """Models at the fleet's limit now (``proxy.routing.occupancy``: their occupancy
         counts as 1 at once): requests of a class without a per-instance cap wait at the
-        gate, or a full batch (``max_batch_size`` rows' worth of requests) is in flight per
-        instance serving the model, one batch queued behind each running one (this
-        worker's share of them with ``serve --workers``)."""
+        gate, or ``max_batch_size`` requests are in flight per instance serving the model,
+        a batch queued behind each running one (this worker's share of them with ``serve
+        --workers``). Requests, not rows: with requests of several rows it fires later than
+        the batches fill."""
         out = set()
         for model, gate in self.gates.items():
             info = self._infos[model]
