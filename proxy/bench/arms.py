@@ -477,8 +477,16 @@ def _catalog() -> dict[str, ArmPlan]:
             ),
         )
     ]
+    pack90 = next(p for p in packed if p.name == "proxy_expected_finish+lane+pack90")
+    capped = replace(
+        pack90,
+        name=f"{pack90.name}+capped",
+        description=f"{pack90.name} whose capped class (offline) is packed at any occupancy "
+        "(capped_always)",
+        policy_params={**(pack90.policy_params or {}), "capped_always": True},
+    )
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed]
+    plans[at:at] = [lane, *packed, capped]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

@@ -52,6 +52,10 @@ class ExpectedFinishParams:
     its SLO, the lane 100 %; packing only the capped class was not enough (65 %): online's
     512-token rows, one in ten, still padded every instance's batches."""
 
+    capped_always: bool = False
+    """With ``pack_above``: a class with ``max_per_instance`` is packed at any occupancy
+    (``ExpectedStartParams.capped_always``)."""
+
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
             raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
@@ -125,7 +129,12 @@ class ExpectedFinish:
             None
             if pack_above is None
             else ExpectedStart(
-                ExpectedStartParams(long_placement="pack", pack_above=pack_above), rng
+                ExpectedStartParams(
+                    long_placement="pack",
+                    pack_above=pack_above,
+                    capped_always=params.capped_always,
+                ),
+                rng,
             )
         )
 

@@ -41,6 +41,9 @@ class ExpectedStartParams:
     the best baseline's 18.9 / 28.0, the lane 16.1 / 41.1; but on ``case.yaml`` x0.25 its
     spread long rows hit Triton's batcher stall on instances the wake does not judge (P99
     256 against the lane's 64 ms). Opt-in."""
+    capped_always: bool = False
+    """With ``pack_above``: a request of a class with ``max_per_instance`` (``class_cap``) is
+    packed at any occupancy; only other long work waits for ``pack_above``. Opt-in."""
     spread_alone: bool = False
     """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
     work of a more important priority level in flight (``Candidate.above``) as holding one
@@ -185,7 +188,11 @@ class ExpectedStart:
         return (
             request.long
             and p.long_placement == "pack"
-            and (p.pack_above is None or request.occupancy >= p.pack_above)
+            and (
+                p.pack_above is None
+                or request.occupancy >= p.pack_above
+                or (p.capped_always and request.class_cap is not None)
+            )
         )
 
     def to_idle(self, request: RouteRequest) -> bool:

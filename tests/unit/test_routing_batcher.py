@@ -171,3 +171,18 @@ def test_pack_above_packs_long_work_into_a_lane_under_load() -> None:
     assert lane.choose([a, b, c], replace(request(Job(1, 1, 32.0)), occupancy=0.95)).name == "b"
     with pytest.raises(ValueError, match="pack_above"):
         build_policy("expected_finish", {"pack_above": 1.5}, random.Random(0))
+
+
+def test_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
+    offline = (NOW - 0.001, work(3, 512, rows=4))
+    a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
+    b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    c = candidate("c", [], NOW - 0.01)
+    light = 0.5
+    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True, occupancy=light)
+    online_long = replace(request(Job(2, 1, 512.0)), long=True, occupancy=light)
+    policy = build_policy(
+        "expected_finish", {"pack_above": 0.9, "capped_always": True}, random.Random(0)
+    )
+    assert policy.choose([a, b, c], capped).name == "a"  # its lane, though the fleet is light
+    assert policy.choose([a, b, c], online_long).name != "a"  # replayed below pack_above

@@ -433,6 +433,7 @@ def test_no_candidate_is_none() -> None:
         {"consider": 40},
         {"pack_above": 0.0},
         {"pack_above": 0.5, "count_delays": True},
+        {"pack_above": 0.9, "capped_always": True, "count_delays": True},
     ],
 )
 def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str, Any]) -> None:
