@@ -54,7 +54,9 @@ Every arm sends the same schedule to the same local Triton servers:
   behind ``proxy_shallow_lane``'s gate (offline shallow, one instance kept spare of it);
   ``+lane+pack``: ``+lane`` whose long work is packed into a lane (``pack_above`` 0);
   ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more;
-  ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``.
+  ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``;
+  ``+lane+pack90+capped``: ``+lane+pack90`` whose capped class is packed at any occupancy
+  (``capped_always``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
