@@ -108,9 +108,10 @@ class ExpectedFinish:
     ``count_delays``, ``pack_above: 0.9``, the nudge and the lane's gate
     (``policies/mixed-traffic.yaml``), real-time 0.16-0.76x and online 0.42-0.82x of the best
     baseline's P99 at ``case.yaml`` x0.25-x2 and ``long_share.yaml`` x0.5-x1, 99.9 % of
-    real-time within its SLO at ``case.yaml`` x2; but it collapsed at ``long_share.yaml`` x2
-    (92.5 %, online shed), where the shallow lane (``expected_start``) holds (twenty-second
-    round).
+    real-time within its SLO at ``case.yaml`` x2; it collapsed at ``long_share.yaml`` x2
+    (92.5 %, online shed; twenty-second round) until a surge counted as full occupancy at
+    once (``proxy.routing.occupancy``): then 100 % / 100 % there (twenty-third round). It
+    loses to the shallow lane on ``burst.yaml`` below capacity unless ``capped_always``.
 
     Source: the "shortest expected delay" rule (Whitt, *Deciding which queue to join*, 1986)
     with the delay computed by simulating each server's batcher rather than from queue length;

@@ -357,10 +357,10 @@ def _joins(
     answer: then it was in that batch. (A process that shares its cores with a busy one is
     descheduled for several milliseconds at a time: a 21 ms batch handled as 1 row, then 15
     rows 6.6 ms later, was measured so with a busy loop beside the integration test on 2
-    cores.) What this rule gets wrong: a model whose batcher cuts
-    batches short of room (``preferred_batch_size``, or inputs of unequal shapes that are not
-    ragged) and whose next batch is shorter than half the one before: that batch's rows count
-    in the one before.
+    cores.) What this rule gets wrong: a model whose batcher cuts batches short of room
+    (``preferred_batch_size``, or inputs of unequal shapes that are not ragged) and whose
+    next batch is shorter than half the one before: that batch's rows count in the one
+    before.
     """
     if group.rows + rows > max_batch:
         return False
