@@ -302,6 +302,11 @@ class Tracked:
         else:
             del instance.flights[model][id(self)]
             instance.answered_at[model] = self._fleet.clock.now()
+            # An answer shows the model's batcher running there: not quiet any more (a
+            # stale mark sent the next request there instead of where the policy chose).
+            quiet = self._fleet.quiet.get(model)
+            if quiet:
+                quiet.discard(instance.name)
         self._fleet.journal.append(instance.name)
 
 
@@ -318,7 +323,7 @@ class Fleet:
         """Every change placement reads, by instance name (see :class:`ChangeJournal`)."""
         self.quiet: dict[str, set[str]] = {}
         """model -> instances quiet for it (``proxy.routing.wake``; found by a periodic scan,
-        left by the next send there)."""
+        left by the next send there or answer from there)."""
         self.occupancy = Occupancy()
         """The smoothed share of each model's instances with work in flight
         (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by
