@@ -396,7 +396,7 @@ class Dispatcher:
                 # further.
                 if call.deadline is not None:
                     deadline.check(call.deadline, self.fleet.clock.now(), call.model)
-                placing = self._placing(r, priority, admitted.depth)
+                placing = self._placing(r, priority, admitted.depth, admitted.backlog)
                 return await self._send(r, priority, placing, trace, linger=linger)
             finally:
                 admitted.release()
@@ -434,10 +434,12 @@ class Dispatcher:
                 )
         return Forward(priority, timeout_us)
 
-    def _placing(self, r: _Request[T], priority: int | None, depth: int | None = None) -> Placing:
+    def _placing(
+        self, r: _Request[T], priority: int | None, depth: int | None = None, backlog: int = 0
+    ) -> Placing:
         """What placement needs to know about the request, and how to count it in flight.
         ``depth``: the class's per-instance cap its gate slot was given under (else the
-        class's ``max_per_instance``)."""
+        class's ``max_per_instance``); ``backlog``: its class's requests still queued."""
         call, arm, klass = r.call, r.arm, r.klass
         batch = r.info.max_batch_size if r.info is not None else 1
         cap = depth
@@ -455,6 +457,7 @@ class Dispatcher:
                 "level": level if priority is not None else None,
                 "long": long,
                 "class_cap": cap,
+                "class_queued": backlog,
                 "batch": max(1, batch),
                 "occupancy": self.fleet.occupancy.get(call.model),
                 "rows": call.rows,

@@ -56,7 +56,8 @@ Every arm sends the same schedule to the same local Triton servers:
   ``+lane+pack90``: packed only at an occupancy of :data:`FINISH_PACK_ABOVE` or more;
   ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``;
   ``+lane+pack90+capped``: ``+lane+pack90`` whose capped class is packed at any occupancy
-  (``capped_always``).
+  (``pack_capped: always``); ``+lane+pack90+backlog``: at any occupancy while that class has
+  requests queued at the gate (``pack_capped: backlogged``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -480,15 +481,21 @@ def _catalog() -> dict[str, ArmPlan]:
         )
     ]
     pack90 = next(p for p in packed if p.name == "proxy_expected_finish+lane+pack90")
-    capped = replace(
-        pack90,
-        name=f"{pack90.name}+capped",
-        description=f"{pack90.name} whose capped class (offline) is packed at any occupancy "
-        "(capped_always)",
-        policy_params={**(pack90.policy_params or {}), "capped_always": True},
-    )
+    capped = [
+        replace(
+            pack90,
+            name=f"{pack90.name}+{suffix}",
+            description=f"{pack90.name} whose capped class (offline) is packed at any "
+            f"occupancy {when} (pack_capped: {mode})",
+            policy_params={**(pack90.policy_params or {}), "pack_capped": mode},
+        )
+        for suffix, mode, when in (
+            ("capped", "always", "always"),
+            ("backlog", "backlogged", "while its requests queue at the gate"),
+        )
+    ]
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed, capped]
+    plans[at:at] = [lane, *packed, *capped]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

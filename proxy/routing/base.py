@@ -103,6 +103,9 @@ class RouteRequest:
     """Long work: it makes the batch it joins long (padding), so short requests avoid it."""
     class_cap: int | None = None
     """At most this many requests of the class per instance (``max_per_instance``)."""
+    class_queued: int = 0
+    """Requests of the class still waiting at its gate when this one left it (0 without
+    classes): a backlog (``ExpectedStartParams.pack_capped``)."""
     batch: int = 1
     """The model's ``max_batch_size`` (at least 1)."""
     occupancy: float = 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.batcher import Job
@@ -52,9 +52,9 @@ class ExpectedFinishParams:
     its SLO, the lane 100 %; packing only the capped class was not enough (65 %): online's
     512-token rows, one in ten, still padded every instance's batches."""
 
-    capped_always: bool = False
-    """With ``pack_above``: a class with ``max_per_instance`` is packed at any occupancy
-    (``ExpectedStartParams.capped_always``)."""
+    pack_capped: Literal["occupancy", "always", "backlogged"] = "occupancy"
+    """With ``pack_above``: when a class with ``max_per_instance`` is packed
+    (``ExpectedStartParams.pack_capped``)."""
 
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
@@ -111,7 +111,7 @@ class ExpectedFinish:
     real-time within its SLO at ``case.yaml`` x2; it collapsed at ``long_share.yaml`` x2
     (92.5 %, online shed; twenty-second round) until a surge counted as full occupancy at
     once (``proxy.routing.occupancy``): then 100 % / 100 % there (twenty-third round). It
-    loses to the shallow lane on ``burst.yaml`` below capacity unless ``capped_always``.
+    loses to the shallow lane on ``burst.yaml`` below capacity unless ``pack_capped``.
 
     Source: the "shortest expected delay" rule (Whitt, *Deciding which queue to join*, 1986)
     with the delay computed by simulating each server's batcher rather than from queue length;
@@ -133,7 +133,7 @@ class ExpectedFinish:
                 ExpectedStartParams(
                     long_placement="pack",
                     pack_above=pack_above,
-                    capped_always=params.capped_always,
+                    pack_capped=params.pack_capped,
                 ),
                 rng,
             )

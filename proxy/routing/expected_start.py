@@ -41,9 +41,17 @@ class ExpectedStartParams:
     the best baseline's 18.9 / 28.0, the lane 16.1 / 41.1; but on ``case.yaml`` x0.25 its
     spread long rows hit Triton's batcher stall on instances the wake does not judge (P99
     256 against the lane's 64 ms). Opt-in."""
-    capped_always: bool = False
-    """With ``pack_above``: a request of a class with ``max_per_instance`` (``class_cap``) is
-    packed at any occupancy; only other long work waits for ``pack_above``. Opt-in."""
+    pack_capped: Literal["occupancy", "always", "backlogged"] = "occupancy"
+    """With ``pack_above``, when a request of a class with ``max_per_instance``
+    (``class_cap``) is packed: ``occupancy`` (the default) as any long work, at
+    ``pack_above`` or more; ``always``, at any occupancy; ``backlogged``, at any occupancy
+    while requests of its class wait at the gate (``RouteRequest.class_queued``), as when
+    an offline job drops many at once, and at ``pack_above`` otherwise. Other long work
+    waits for ``pack_above`` in every case. Measured (docs/benchmarks.md, issue 10,
+    twenty-third round, 3 repetitions): ``always`` cut the real-time P99 at ``burst.yaml``
+    x0.5 from 0.80x to 0.11x the best baseline's, but online's at ``long_share.yaml`` x0.5,
+    whose offline arrives steadily, rose from 0.73x to 1.02x (the lane held one of three
+    instances online's 512-token rows used); ``backlogged`` packs in the burst only."""
     spread_alone: bool = False
     """A long request placed as ``spread`` (or below ``pack_above``) counts an instance with
     work of a more important priority level in flight (``Candidate.above``) as holding one
@@ -191,7 +199,13 @@ class ExpectedStart:
             and (
                 p.pack_above is None
                 or request.occupancy >= p.pack_above
-                or (p.capped_always and request.class_cap is not None)
+                or (
+                    request.class_cap is not None
+                    and (
+                        p.pack_capped == "always"
+                        or (p.pack_capped == "backlogged" and request.class_queued > 0)
+                    )
+                )
             )
         )
 

@@ -151,6 +151,11 @@ class AdmissionBase:
         ticket = self._ticket
         return ticket.depth if ticket is not None else None
 
+    @property
+    def backlog(self) -> int:
+        """Requests of the class waiting at the gate now (read when this one left it)."""
+        return self._gate.queued(self._class_name)
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

@@ -173,7 +173,7 @@ def test_pack_above_packs_long_work_into_a_lane_under_load() -> None:
         build_policy("expected_finish", {"pack_above": 1.5}, random.Random(0))
 
 
-def test_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
+def test_pack_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
     offline = (NOW - 0.001, work(3, 512, rows=4))
     a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
     b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
@@ -182,7 +182,27 @@ def test_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
     capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True, occupancy=light)
     online_long = replace(request(Job(2, 1, 512.0)), long=True, occupancy=light)
     policy = build_policy(
-        "expected_finish", {"pack_above": 0.9, "capped_always": True}, random.Random(0)
+        "expected_finish", {"pack_above": 0.9, "pack_capped": "always"}, random.Random(0)
     )
     assert policy.choose([a, b, c], capped).name == "a"  # its lane, though the fleet is light
     assert policy.choose([a, b, c], online_long).name != "a"  # replayed below pack_above
+
+
+def test_pack_capped_backlogged_packs_the_capped_class_only_while_it_has_a_queue() -> None:
+    # An offline job that drops many requests at once queues at the gate: packed into its
+    # lane. Offline arriving steadily (nothing queued) is replayed below pack_above.
+    offline = (NOW - 0.001, work(3, 512, rows=4))
+    a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)
+    b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    c = candidate("c", [], NOW - 0.01)
+    capped = replace(request(Job(3, 4, 2048.0)), class_cap=2, long=True, occupancy=0.5)
+    policy = build_policy(
+        "expected_finish", {"pack_above": 0.9, "pack_capped": "backlogged"}, random.Random(0)
+    )
+    assert policy.choose([a, b, c], capped).name == "c"  # nothing queued: replayed
+    assert policy.choose([a, b, c], replace(capped, class_queued=5)).name == "a"
+    # Uncapped long work is not a class's backlog: replayed below pack_above regardless.
+    online_long = replace(request(Job(2, 1, 512.0)), long=True, occupancy=0.5, class_queued=5)
+    assert policy.choose([a, b, c], online_long).name != "a"
+    # At pack_above every long request is packed, queue or not.
+    assert policy.choose([a, b, c], replace(capped, occupancy=0.95)).name == "a"

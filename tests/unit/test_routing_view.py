@@ -146,6 +146,7 @@ class World:
             level=rng.choice(self.levels),
             long=rng.random() < 0.3,
             class_cap=cap,
+            class_queued=rng.choice((0, 0, 3)),
             batch=rng.choice((1, 4)),
             occupancy=rng.random(),
             rows=1,
@@ -433,7 +434,8 @@ def test_no_candidate_is_none() -> None:
         {"consider": 40},
         {"pack_above": 0.0},
         {"pack_above": 0.5, "count_delays": True},
-        {"pack_above": 0.9, "capped_always": True, "count_delays": True},
+        {"pack_above": 0.9, "pack_capped": "always", "count_delays": True},
+        {"pack_above": 0.9, "pack_capped": "backlogged"},
     ],
 )
 def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str, Any]) -> None:

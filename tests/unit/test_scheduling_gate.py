@@ -350,3 +350,28 @@ async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_on
     await asyncio.gather(*tasks)
     small.close()
     gates.close()
+
+
+async def test_an_admission_reads_its_class_backlog_when_it_leaves_the_queue() -> None:
+    # Placement packs a capped class into its lane while the class's requests queue
+    # (``pack_capped: backlogged``): it reads the backlog when the request leaves the gate.
+    h = Harness(capacity=2)
+    hold = asyncio.Event()
+    other = h.start("on", hold)  # holds one of the two slots throughout
+    first = h.gate.admit("off")
+    await first.__aenter__()
+    assert first.backlog == 0  # nothing behind it
+    later = [h.gate.admit("off") for _ in range(3)]
+    waiting = [asyncio.create_task(a.__aenter__()) for a in later]
+    waiter = h.start("rt")
+    await settle()
+    assert first.backlog == 3  # another class's waiter does not count
+    first.release()
+    await waiter  # rt outranks off: it took the slot, and gave it back
+    await waiting[0]
+    assert later[0].backlog == 2
+    for admission, task in zip(later, waiting, strict=True):
+        await task
+        admission.release()
+    hold.set()
+    await other
