@@ -204,6 +204,7 @@ def test_route_request_fast_is_the_same_request():
         "level": 1,
         "long": False,
         "class_cap": None,
+        "class_queued": 3,
         "batch": 8,
         "occupancy": 0.5,
         "rows": 2,
