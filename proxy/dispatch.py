@@ -38,6 +38,7 @@ from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.routing.batcher import BatcherModel
+from proxy.routing.wake import EXPIRED_US
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 from proxy.scheduling.cost import BatchTimes, CostModel
 
@@ -210,6 +211,8 @@ class Dispatcher:
         """``limits.cancel_upstream``: honour client deadlines and departures."""
         self.nudge = False
         """``routing.wake.nudge``: keep a way to resend one short request per instance."""
+        self.expired_copy = False
+        """``routing.wake.expired_copy``: resend it as an expired copy, long ones too."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -522,13 +525,22 @@ class Dispatcher:
                     if (
                         self.nudge
                         and not stream
-                        and not work.long
                         and call.params.sequence_id is None
                         and r.info is not None
                         and not r.info.decoupled
                     ):
-                        resend = functools.partial(r.send, instance, forward)
-                        instance.resend[call.model] = resend
+                        level = (
+                            forward.priority
+                            if forward.priority is not None
+                            else call.params.priority
+                        )
+                        if self.expired_copy and r.info.honours_timeout(level):
+                            copy = Forward(forward.priority, EXPIRED_US)
+                            resend = functools.partial(r.send, instance, copy)
+                        elif not work.long:
+                            resend = functools.partial(r.send, instance, forward)
+                        if resend is not None:
+                            instance.resend[call.model] = resend
                     try:
                         result = await r.send(instance, forward)
                     except (asyncio.CancelledError, Exception) as exc:

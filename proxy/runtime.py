@@ -282,12 +282,14 @@ class Runtime:
             wake = self.config.routing.wake  # read per tick: a reload may change it
             await asyncio.sleep(wake.scan_ms / 1e3)
             self.dispatcher.nudge = wake.enabled and wake.nudge
+            self.dispatcher.expired_copy = wake.enabled and wake.nudge and wake.expired_copy
             if wake.enabled:
                 self.fleet.quiet = quiet_instances(
                     self.fleet.instances.values(),
                     self.clock.now(),
                     self._quiet_after,
                     self._quiet_after_work if wake.by_work else None,
+                    judge_long=wake.nudge and wake.expired_copy,
                 )
                 if wake.nudge:
                     self._nudge()

@@ -57,7 +57,9 @@ Every arm sends the same schedule to the same local Triton servers:
   ``proxy_expected_finish+pack`` and ``+pack90``: the same without ``count_delays``;
   ``+lane+pack90+capped``: ``+lane+pack90`` whose capped class is packed at any occupancy
   (``pack_capped: always``); ``+lane+pack90+backlog``: at any occupancy while that class has
-  requests queued at the gate (``pack_capped: backlogged``).
+  requests queued at the gate (``pack_capped: backlogged``); ``+backlog+expired``: its
+  nudge sends an expired copy, to instances holding long work too
+  (``routing.wake.expired_copy``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -494,8 +496,17 @@ def _catalog() -> dict[str, ArmPlan]:
             ("backlog", "backlogged", "while its requests queue at the gate"),
         )
     ]
+    backlog = capped[1]
+    expired = replace(
+        backlog,
+        name=f"{backlog.name}+expired",
+        description=f"{backlog.name} whose nudge sends an expired copy (Triton timeout 1 us: "
+        "it wakes the batcher and never runs), to instances holding long work too "
+        "(routing.wake.expired_copy)",
+        routing={"wake": {**NUDGE_WAKE, "expired_copy": True}},
+    )
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed, *capped]
+    plans[at:at] = [lane, *packed, *capped, expired]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
@@ -529,7 +540,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     "quick": ("round_robin", "rr_priority", "proxy_least_requests+classes"),
     # Issue 10's comparison (point 6): four baselines, the proxy's previous best, the shallow
     # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
-    # replay with long work packed near capacity (twenty-second round; it is
+    # replay with long work packed near capacity (twenty-second round) and the throughput
+    # class's backlog packed at any load (twenty-fourth round; it is
     # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
@@ -538,7 +550,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90",
+        "proxy_expected_finish+lane+pack90+backlog",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

@@ -97,6 +97,14 @@ class WakeParams:
     dropped): its arrival wakes the batcher at once (module doc). Runs some requests twice in
     Triton, hence opt-in; the ``+nudge`` arms of the benchmark set it with a 6 ms floor,
     margin 1.5 and a 3 ms scan."""
+    expired_copy: bool = False
+    """With ``nudge``: the copy carries Triton's ``timeout`` of 1 µs (:data:`EXPIRED_US`)
+    where the model's queue policy honours it (``allow_timeout_override``): its arrival
+    wakes the batcher like any other, and the batcher rejects it as expired when it forms
+    the batch (``PriorityQueue::PolicyQueue::ApplyPolicy`` in Triton's core), so it does not
+    run and pads nothing. Instances holding long work are then judged and nudged too (a
+    copy of a long request costs no device time either); without it they are not judged
+    (module doc). Opt-in."""
     by_work: bool = True
     """Judge an instance without long work by the expected time of what it has in flight
     rather than by a full batch of the model's typical requests (module doc)."""
@@ -113,6 +121,10 @@ class WakeParams:
         if batch_s is None:
             return None
         return max(self.min_quiet_ms / 1e3, self.margin * batch_s)
+
+
+EXPIRED_US = 1
+"""``expired_copy``: the nudge's Triton ``timeout`` in microseconds (0 would mean none)."""
 
 
 def scraped_batch_s(compute_us: Iterable[float | None]) -> float | None:
@@ -132,6 +144,7 @@ def quiet_instances(
     now: float,
     quiet_after_s: Callable[[str], float | None],
     quiet_after_work: Callable[[str, float], float | None] | None = None,
+    judge_long: bool = False,
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
     (``quiet_after_s`` is asked once per model per scan, not once per instance). With
@@ -144,7 +157,7 @@ def quiet_instances(
         if not inst.healthy or inst.woken_at > inst.last_answer_at:
             continue
         for model, n in inst.model_in_flight.items():
-            if n <= 0 or inst.long_in_flight.get(model):
+            if n <= 0 or (inst.long_in_flight.get(model) and not judge_long):
                 continue
             after = None
             if quiet_after_work is not None:
