@@ -31,9 +31,10 @@ class ModelInfo:
     default_priority_level: int = 0
     """``dynamic_batching.default_priority_level``: the level of a request without priority."""
     timeout_override: bool = False
-    """``dynamic_batching.default_queue_policy.allow_timeout_override``."""
+    """Whether ``dynamic_batching.default_queue_policy`` honours a request's ``timeout``
+    (:func:`_honours_timeout`)."""
     level_timeout_override: tuple[tuple[int, bool], ...] = ()
-    """``allow_timeout_override`` of each level with its own ``priority_queue_policy``."""
+    """The same for each level with its own ``priority_queue_policy``."""
     max_queue_delay_s: float | None = None
     """``dynamic_batching.max_queue_delay_microseconds`` in seconds; None without a dynamic
     batcher."""
@@ -42,8 +43,9 @@ class ModelInfo:
         """Whether Triton applies a request's ``timeout`` at this priority (None: unset).
 
         Triton reads ``timeout`` only in the dynamic batcher's queue, and only where that
-        level's queue policy allows overrides; priority 0, unset or above ``priority_levels``
-        means the default level.
+        level's queue policy allows overrides *and* has a default timeout, which a request
+        may only shorten (:func:`_honours_timeout`); priority 0, unset or above
+        ``priority_levels`` means the default level.
         """
         level = priority or 0
         if not 0 < level <= self.priority_levels:
@@ -73,14 +75,21 @@ def _corrid_type(config: dict[str, Any]) -> str | None:
     return None
 
 
+def _honours_timeout(policy: dict[str, Any] | None) -> bool:
+    """Whether a queue policy applies a request's ``timeout``: it must allow overrides and
+    have a ``default_timeout_microseconds``. Triton takes the request's value only when it
+    is below the default (``PriorityQueue::PolicyQueue::Enqueue`` in Triton's core; the
+    model config docs: a request "may not increase the timeout"), and no default (0) is
+    never below: measured, a request with ``timeout`` 1 µs queued behind a running one on
+    ``sleeper`` without a default ran (tests/integration/test_cancellation.py)."""
+    policy = policy or {}
+    default_us = int(policy.get("default_timeout_microseconds") or 0)
+    return bool(policy.get("allow_timeout_override")) and default_us > 0
+
+
 def _timeout_overrides(batching: dict[str, Any]) -> tuple[tuple[int, bool], ...]:
     levels = batching.get("priority_queue_policy") or {}
-    return tuple(
-        sorted(
-            (int(level), bool((policy or {}).get("allow_timeout_override")))
-            for level, policy in levels.items()
-        )
-    )
+    return tuple(sorted((int(level), _honours_timeout(policy)) for level, policy in levels.items()))
 
 
 def model_info(config: dict[str, Any]) -> ModelInfo:
@@ -98,7 +107,7 @@ def model_info(config: dict[str, Any]) -> ModelInfo:
         default_priority_level=int(batching.get("default_priority_level") or 0),
         # Without a dynamic batcher no queue policy applies, whatever the config says.
         timeout_override=dynamic is not None
-        and bool((batching.get("default_queue_policy") or {}).get("allow_timeout_override")),
+        and _honours_timeout(batching.get("default_queue_policy")),
         level_timeout_override=_timeout_overrides(batching) if dynamic is not None else (),
         max_queue_delay_s=int(batching.get("max_queue_delay_microseconds") or 0) / 1e6
         if dynamic is not None

@@ -300,3 +300,27 @@ async def test_without_cancel_upstream_abandoned_work_runs_in_triton(
         after = await asyncio.to_thread(read_counters, server)
     assert after.cancelled == before.cancelled
     assert ran(before, after) == 2
+
+
+async def test_a_request_that_expires_in_the_queue_wakes_the_batcher_and_never_runs(
+    server: TritonServer,
+) -> None:
+    """What ``routing.wake.expired_copy`` rests on, asked of Triton itself: a request with a
+    ``timeout`` of 1 µs (the nudge's copy) is rejected as expired when the batcher forms the
+    batch, before the model sees it, and a request queued behind a running one still runs."""
+    before = await asyncio.to_thread(read_counters, server)
+    rejected_before = stats(server)["fail"]["count"]
+    async with aiohttp.ClientSession() as session:
+        url = server.http_url + URL
+        running = asyncio.create_task(session.post(url, data=body(300)))
+        await asyncio.sleep(0.1)  # it runs; the next two queue behind it
+        queued = asyncio.create_task(session.post(url, data=body(0)))
+        expired = await session.post(url, data=body(0, {"timeout": 1}))
+        assert expired.status >= 400, await expired.text()
+        assert "timeout" in (await expired.text()).lower()
+        for task in (running, queued):
+            answer = await task
+            assert answer.status == 200, await answer.text()
+    after = await asyncio.to_thread(read_counters, server)
+    assert ran(before, after) == 2  # the running and the queued one; not the copy
+    assert stats(server)["fail"]["count"] == rejected_before + 1

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.fakes.triton import FakeFleet, Fault
+from tests.fakes.triton import FakeFleet, Fault, default_models
 from tests.integration.harness import ProxyThread
 from tests.middle.conftest import (
     ProxyFactory,
@@ -35,6 +36,23 @@ def policy(nudge: bool) -> dict[str, Any]:
         "routing": {"policy": {"name": "round_robin"}, "wake": {**WAKE, "nudge": nudge}},
         "limits": {"connect_timeout_s": 1.0, "request_timeout_s": 30},
     }
+
+
+def timed_models() -> dict[str, dict[str, Any]]:
+    """The fakes' models, ``simple`` honouring a request's ``timeout`` as accel_sim does."""
+    models = default_models()
+    batching = models["simple"]["dynamic_batching"]
+    batching["default_queue_policy"] = {
+        "allow_timeout_override": True,
+        "default_timeout_microseconds": "300000000",
+    }
+    return models
+
+
+@pytest.fixture
+def fakes() -> Iterator[FakeFleet]:
+    with FakeFleet(3, models=timed_models) as fleet:
+        yield fleet
 
 
 def nudges(proxy: ProxyThread) -> int:
@@ -139,3 +157,28 @@ def test_a_sequence_request_is_never_copied(proxy_on: ProxyFactory, fakes: FakeF
             assert raw(port, "POST", "/v2/models/seq/infer", [], other).status == 200
         t.join(5)
         assert got == [200]
+
+
+def test_an_expired_copy_releases_a_stalled_request(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    """``expired_copy``: the copy carries Triton's ``timeout`` of 1 µs, so a real Triton
+    rejects it when it forms the batch (tests/integration/test_cancellation.py shows that
+    with the real server); its arrival is what releases the stall."""
+    doc = policy(nudge=True)
+    doc["routing"]["wake"]["expired_copy"] = True
+    with proxy_on(doc) as proxy:
+        warm(proxy)
+        stall_everywhere(fakes, "simple")
+        before = [len(f.inferences()) for f in fakes.servers]
+        with httpclient.InferenceServerClient(f"127.0.0.1:{port_of(proxy)}") as c:
+            answer = c.infer("simple", http_inputs())
+        assert answer.as_numpy("OUTPUT0") is not None
+        assert nudges(proxy) == 1
+        wait_for(lambda: sum(len(f.inferences()) for f in fakes.servers) == sum(before) + 2)
+        fake = next(
+            f for f, n in zip(fakes.servers, before, strict=True) if len(f.inferences()) > n
+        )
+        original, copy = fake.inferences()[-2:]
+        assert "timeout" not in (original.parameters or {})
+        assert (copy.parameters or {}).get("timeout") == 1

@@ -18,7 +18,12 @@ from tests.unit.faketriton import fakes, policy, proxy_for
 
 HONOURS = {
     "max_batch_size": 8,
-    "dynamic_batching": {"default_queue_policy": {"allow_timeout_override": True}},
+    "dynamic_batching": {
+        "default_queue_policy": {
+            "allow_timeout_override": True,
+            "default_timeout_microseconds": "300000000",
+        }
+    },
 }
 IGNORES = {"max_batch_size": 8, "dynamic_batching": {}}
 ONE_SLOT = {"default_class": "online", "concurrency": 1, "classes": {"online": {"rank": 0}}}

@@ -146,19 +146,35 @@ def _config(batching: dict[str, Any] | None) -> dict[str, Any]:
     return config
 
 
+ON = {"allow_timeout_override": True, "default_timeout_microseconds": "300000000"}
+"""A queue policy that honours a request's ``timeout`` (shorter than its default)."""
+
+
 @pytest.mark.parametrize(
     ("batching", "levels"),
     [
         (None, {None: False, 1: False}),
         ({}, {None: False}),
-        # Triton's JSON config, as /v2/models/NAME/config gives it.
-        ({"default_queue_policy": {"allow_timeout_override": True}}, {None: True, 1: True}),
+        # Triton's JSON config, as /v2/models/NAME/config gives it (uint64 as a string).
+        ({"default_queue_policy": {**ON, "allow_timeout_override": False}}, {None: False}),
+        ({"default_queue_policy": ON}, {None: True, 1: True}),
+        # Without a default timeout a request's own is never below it: ignored.
+        ({"default_queue_policy": {"allow_timeout_override": True}}, {None: False, 1: False}),
+        (
+            {
+                "default_queue_policy": {
+                    "allow_timeout_override": True,
+                    "default_timeout_microseconds": "0",
+                }
+            },
+            {None: False},
+        ),
         (
             {
                 "priority_levels": 3,
                 "default_priority_level": 2,
                 "default_queue_policy": {"allow_timeout_override": False},
-                "priority_queue_policy": {"1": {"allow_timeout_override": True}},
+                "priority_queue_policy": {"1": ON},
             },
             # Unset, 0 and above the levels mean the default level (2).
             {1: True, 2: False, 3: False, None: False, 0: False, 9: False},
@@ -167,8 +183,8 @@ def _config(batching: dict[str, Any] | None) -> dict[str, Any]:
             {
                 "priority_levels": 3,
                 "default_priority_level": 1,
-                "default_queue_policy": {"allow_timeout_override": True},
-                "priority_queue_policy": {"1": {"allow_timeout_override": True}, "3": {}},
+                "default_queue_policy": ON,
+                "priority_queue_policy": {"1": ON, "3": {}},
             },
             {None: True, 1: True, 2: True, 3: False},
         ),
