@@ -50,7 +50,13 @@ long); at each scan every quiet instance holding one is sent that copy (:func:`n
 whose answer is dropped, and counts as woken (not judged again until it answers). Triton runs
 the copy in the batch it releases: one more row of a short request, and one more inference in
 Triton's own statistics. **A model whose requests must not run twice must not be nudged**:
-that is why it is off by default. Measured: docs/benchmarks.md, issue 10, twentieth round.
+that is why it is off by default. With ``expired_copy`` the copy carries a Triton ``timeout``
+of 1 µs where the model's queue policy honours one (``ModelInfo.honours_timeout``: an
+override allowed and a default timeout it is below): Triton's batcher wakes for it and
+rejects it as expired when it forms the batch, so it does not run (only a batch formed within
+1 µs of its arrival would take it), counts as a failure in Triton's statistics, and costs no
+device time; instances holding long work are then judged and nudged as well. Measured:
+docs/benchmarks.md, issue 10, twentieth round (the nudge) and twenty-fourth (``expired_copy``).
 
 ``by_work`` (issue 10, fifteenth round) replaced the full-batch rule, which judged every
 instance by twice a full batch of the model's typical requests (about 36 ms in

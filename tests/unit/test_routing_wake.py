@@ -220,3 +220,16 @@ def test_nudge_targets_are_the_quiet_instances_holding_a_request_to_resend() -> 
         # model's stalled requests still have the redirect (and the next scan).
         assert got == [("t0", "m", again), ("t2", "m", again)]
         assert nudge_targets({}, w.fleet.instances) == []
+
+
+def test_with_expired_copies_an_instance_holding_long_work_is_judged_too() -> None:
+    # A copy that Triton rejects as expired costs no device time, so a stalled long request
+    # can be nudged too (routing.wake.expired_copy); without, long work may run long.
+    with world(6, 1) as w:
+        t0 = w.fleet.get("t0")
+        with w.fleet.track(t0, "m", work=Work(long=True)):
+            w.clock.advance(1.0)
+            now = w.clock.now()
+            assert quiet_instances(w.fleet.instances.values(), now, after) == {}
+            judged = quiet_instances(w.fleet.instances.values(), now, after, judge_long=True)
+            assert judged == {"m": {"t0"}}
