@@ -541,8 +541,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # Issue 10's comparison (point 6): four baselines, the proxy's previous best, the shallow
     # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
     # replay with long work packed near capacity (twenty-second round) and the throughput
-    # class's backlog packed at any load (twenty-fourth round; it is
-    # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
+    # class's backlog packed at any load and Triton's stall ended by expired copies
+    # (twenty-fourth round; it is policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
@@ -550,7 +550,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog",
+        "proxy_expected_finish+lane+pack90+backlog+expired",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),
