@@ -542,7 +542,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
     # replay with long work packed near capacity (twenty-second round) and the throughput
     # class's backlog packed at any load and Triton's stall ended by expired copies
-    # (twenty-fourth round; it is policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
+    # (twenty-fourth round; it is policies/mixed-traffic.yaml). The earlier rounds' arms stay
+    # in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
