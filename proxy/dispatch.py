@@ -32,7 +32,7 @@ from proxy.canary import CANARY, MAIN, Splitter
 from proxy.errors import Code, ProxyError
 from proxy.fleet.affinity import SequenceAffinity
 from proxy.fleet.catalog import ModelCatalog, ModelInfo
-from proxy.fleet.instances import Fleet, Instance, Work
+from proxy.fleet.instances import Fleet, Instance, Resend, Work
 from proxy.fleet.upstream import UpstreamConnectError, UpstreamLostError, UpstreamTimeoutError
 from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, Forward, InferParams
@@ -429,13 +429,32 @@ class Dispatcher:
         """The parameters to set upstream: the class's priority, and what is left of the
         client's deadline as Triton's ``timeout`` where the model's queue policy honours it."""
         timeout_us = None
-        if call.deadline is not None and info is not None:
-            level = priority if priority is not None else call.params.priority
-            if info.honours_timeout(level):
-                timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
-                    self.fleet.clock.now()
-                )
+        if (
+            call.deadline is not None
+            and info is not None
+            and info.honours_timeout(_level(call, priority))
+        ):
+            timeout_us = deadline.Budget(call.deadline, True).triton_timeout_us(
+                self.fleet.clock.now()
+            )
         return Forward(priority, timeout_us)
+
+    def _resend(
+        self, r: _Request[T], instance: Instance, forward: Forward, work: Work
+    ) -> Resend | None:
+        """How ``routing.wake.nudge`` may send this request to ``instance`` again: an
+        expired copy where ``expired_copy`` is on and the model's queue policy honours a
+        timeout (Triton rejects it unrun), else a real copy of a short request; None for
+        what must not run twice (streams, sequences, decoupled models) or long work."""
+        call = r.call
+        if r.stream or call.params.sequence_id is not None or r.info is None or r.info.decoupled:
+            return None
+        if self.expired_copy and r.info.honours_timeout(_level(call, forward.priority)):
+            copy = Forward(forward.priority, EXPIRED_US)
+            return Resend(functools.partial(r.send, instance, copy), expired=True)
+        if work.long:
+            return None
+        return Resend(functools.partial(r.send, instance, forward), expired=False)
 
     def _placing(
         self, r: _Request[T], priority: int | None, depth: int | None = None, backlog: int = 0
@@ -521,26 +540,9 @@ class Dispatcher:
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
                     forward = self._forward(call, r.info, priority)
-                    resend = None
-                    if (
-                        self.nudge
-                        and not stream
-                        and call.params.sequence_id is None
-                        and r.info is not None
-                        and not r.info.decoupled
-                    ):
-                        level = (
-                            forward.priority
-                            if forward.priority is not None
-                            else call.params.priority
-                        )
-                        if self.expired_copy and r.info.honours_timeout(level):
-                            copy = Forward(forward.priority, EXPIRED_US)
-                            resend = functools.partial(r.send, instance, copy)
-                        elif not work.long:
-                            resend = functools.partial(r.send, instance, forward)
-                        if resend is not None:
-                            instance.resend[call.model] = resend
+                    resend = self._resend(r, instance, forward, work) if self.nudge else None
+                    if resend is not None:
+                        instance.resend[call.model] = resend
                     try:
                         result = await r.send(instance, forward)
                     except (asyncio.CancelledError, Exception) as exc:
@@ -758,6 +760,12 @@ class Dispatcher:
             # one answers.
             self.affinity.bind(call.model, seq, instance.name)
         return instance
+
+
+def _level(call: Call, priority: int | None) -> int | None:
+    """The Triton priority level a request runs at upstream: its class's, else as the
+    client sent it (None: the model's default)."""
+    return priority if priority is not None else call.params.priority
 
 
 def _answer(answer: T) -> T:

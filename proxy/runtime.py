@@ -289,7 +289,6 @@ class Runtime:
                     self.clock.now(),
                     self._quiet_after,
                     self._quiet_after_work if wake.by_work else None,
-                    judge_long=wake.nudge and wake.expired_copy,
                 )
                 if wake.nudge:
                     self._nudge()

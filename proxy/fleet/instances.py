@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.clock import Clock
 from proxy.routing.occupancy import Occupancy
@@ -153,6 +153,15 @@ class Work:
 NO_WORK = Work()
 
 
+class Resend(NamedTuple):
+    """A way to send one request in flight to its instance again (``routing.wake.nudge``)."""
+
+    send: Callable[[], Awaitable[object]]
+    expired: bool
+    """The copy carries an expired Triton ``timeout``: Triton rejects it unrun, so it costs
+    no device time and may stand in for long work (``routing.wake.expired_copy``)."""
+
+
 @dataclass
 class ModelOut:
     """A model one instance does not serve right now (unloaded there, or not ready)."""
@@ -193,8 +202,8 @@ class Instance:
     """Clock time this proxy last sent a request of each model here (proxy.routing.wake)."""
     woken_at: float = float("-inf")
     """Clock time routing.wake last sent a request here instead of the policy's choice."""
-    resend: dict[str, Callable[[], Awaitable[object]]] = field(default_factory=dict)
-    """model -> a way to send again one short, stateless request of it in flight here
+    resend: dict[str, Resend] = field(default_factory=dict)
+    """model -> a way to send again one stateless request of it in flight here
     (``routing.wake.nudge``)."""
     flights: dict[str, dict[int, tuple[float, Work]]] = field(default_factory=dict)
     """model -> the requests in flight here, ``(sent at, work)`` by token: what the replay

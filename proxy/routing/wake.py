@@ -55,7 +55,10 @@ of 1 µs where the model's queue policy honours one (``ModelInfo.honours_timeout
 override allowed and a default timeout it is below): Triton's batcher wakes for it and
 rejects it as expired when it forms the batch, so it does not run (only a batch formed within
 1 µs of its arrival would take it), counts as a failure in Triton's statistics, and costs no
-device time; instances holding long work are then judged and nudged as well. Measured:
+device time; an instance holding long work is then judged and nudged as well, but only
+while its copy to send is an expired one (``Resend.expired``: for a model that ignores
+timeouts the copy would run, and a short request redirected there would join the padded
+batch). Measured:
 docs/benchmarks.md, issue 10, twentieth round (the nudge) and twenty-fourth (``expired_copy``).
 
 ``by_work`` (issue 10, fifteenth round) replaced the full-batch rule, which judged every
@@ -108,9 +111,9 @@ class WakeParams:
     where the model's queue policy honours it (``allow_timeout_override``): its arrival
     wakes the batcher like any other, and the batcher rejects it as expired when it forms
     the batch (``PriorityQueue::PolicyQueue::ApplyPolicy`` in Triton's core), so it does not
-    run and pads nothing. Instances holding long work are then judged and nudged too (a
-    copy of a long request costs no device time either); without it they are not judged
-    (module doc). Opt-in."""
+    run and pads nothing. Instances holding long work are then judged and nudged too,
+    while their copy is an expired one (a copy of a long request costs no device time
+    either); otherwise they are not judged (module doc). Opt-in."""
     by_work: bool = True
     """Judge an instance without long work by the expected time of what it has in flight
     rather than by a full batch of the model's typical requests (module doc)."""
@@ -150,7 +153,6 @@ def quiet_instances(
     now: float,
     quiet_after_s: Callable[[str], float | None],
     quiet_after_work: Callable[[str, float], float | None] | None = None,
-    judge_long: bool = False,
 ) -> dict[str, set[str]]:
     """model -> names of the healthy instances that are quiet for it at clock time ``now``
     (``quiet_after_s`` is asked once per model per scan, not once per instance). With
@@ -163,8 +165,14 @@ def quiet_instances(
         if not inst.healthy or inst.woken_at > inst.last_answer_at:
             continue
         for model, n in inst.model_in_flight.items():
-            if n <= 0 or (inst.long_in_flight.get(model) and not judge_long):
+            if n <= 0:
                 continue
+            if inst.long_in_flight.get(model):
+                # Sending a short request there joins a padded batch, a real copy runs
+                # again: judged only with an expired copy to send (routing.wake.expired_copy).
+                resend = inst.resend.get(model)
+                if resend is None or not resend.expired:
+                    continue
             after = None
             if quiet_after_work is not None:
                 after = quiet_after_work(model, inst.cost_in_flight.get(model, 0.0))
@@ -195,5 +203,5 @@ def nudge_targets(
             resend = inst.resend.get(model) if inst is not None else None
             if inst is not None and resend is not None and name not in seen:
                 seen.add(name)
-                out.append((inst, model, resend))
+                out.append((inst, model, resend.send))
     return out

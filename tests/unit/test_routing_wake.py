@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from proxy.fleet.instances import Work
+from proxy.fleet.instances import Resend, Work
 from proxy.routing.base import RouteRequest
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
@@ -208,9 +208,9 @@ def test_nudge_targets_are_the_quiet_instances_holding_a_request_to_resend() -> 
         async def again() -> None:
             return None
 
-        t0.resend["m"] = again
-        t1.resend["other"] = again  # quiet for "m", but holds nothing of it to resend
-        t2.resend["m"] = t2.resend["n"] = again
+        t0.resend["m"] = Resend(again, expired=False)
+        t1.resend["other"] = Resend(again, expired=False)  # quiet for "m": nothing to resend
+        t2.resend["m"] = t2.resend["n"] = Resend(again, expired=True)
         quiet = {"m": {"t0", "t1", "t2"}, "n": {"t2"}}
         got = [
             (inst.name, model, resend)
@@ -222,14 +222,20 @@ def test_nudge_targets_are_the_quiet_instances_holding_a_request_to_resend() -> 
         assert nudge_targets({}, w.fleet.instances) == []
 
 
-def test_with_expired_copies_an_instance_holding_long_work_is_judged_too() -> None:
+def test_an_instance_holding_long_work_is_judged_only_with_an_expired_copy_to_send() -> None:
     # A copy that Triton rejects as expired costs no device time, so a stalled long request
-    # can be nudged too (routing.wake.expired_copy); without, long work may run long.
+    # can be nudged too (routing.wake.expired_copy). A real copy would run again, and a
+    # short request redirected there would join the padded batch: then it is not judged.
+    async def again() -> None:
+        return None
+
     with world(6, 1) as w:
         t0 = w.fleet.get("t0")
         with w.fleet.track(t0, "m", work=Work(long=True)):
             w.clock.advance(1.0)
             now = w.clock.now()
             assert quiet_instances(w.fleet.instances.values(), now, after) == {}
-            judged = quiet_instances(w.fleet.instances.values(), now, after, judge_long=True)
-            assert judged == {"m": {"t0"}}
+            t0.resend["m"] = Resend(again, expired=False)  # a model that ignores timeouts
+            assert quiet_instances(w.fleet.instances.values(), now, after) == {}
+            t0.resend["m"] = Resend(again, expired=True)
+            assert quiet_instances(w.fleet.instances.values(), now, after) == {"m": {"t0"}}
