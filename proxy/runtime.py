@@ -289,6 +289,9 @@ class Runtime:
                     self.clock.now(),
                     self._quiet_after,
                     self._quiet_after_work if wake.by_work else None,
+                    wake.ring_after_ms / 1e3
+                    if wake.ring_after_ms is not None and self.dispatcher.expired_copy
+                    else None,
                 )
                 if wake.nudge:
                     self._nudge()
@@ -298,9 +301,10 @@ class Runtime:
     def _nudge(self) -> None:
         """Send each quiet instance holding a short request a copy of it (routing.wake.nudge)."""
         now = self.clock.now()
-        for inst, model, resend in nudge_targets(self.fleet.quiet, self.fleet.instances):
+        for inst, _model, resend in nudge_targets(self.fleet.quiet, self.fleet.instances):
             inst.woken_at = now  # judged again only once it has answered
-            self.fleet.quiet[model].discard(inst.name)  # woken: nothing to redirect there
+            for names in self.fleet.quiet.values():
+                names.discard(inst.name)  # woken: nothing to redirect there
             self.telemetry.nudges.labels(inst.name).inc()
             task = asyncio.get_running_loop().create_task(_dropped(resend()))
             self._nudging.add(task)

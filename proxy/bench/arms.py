@@ -140,6 +140,11 @@ NUDGE_WAKE = {"min_quiet_ms": 6, "scan_ms": 3, "margin": 1.5, "nudge": True}
 instance holds (never under 6 ms), looked for every 3 ms; stalled requests waited a median
 20 ms idle without it (docs/benchmarks.md, nineteenth round)."""
 
+RING_AFTER_MS = 3.0
+"""``routing.wake.ring_after_ms`` of the ``+ring`` arm: a 3 ms scan finds an instance silent
+for 3 ms, so a stalled request waits 3-6 ms (docs/benchmarks.md, issue 10, twenty-sixth
+round)."""
+
 UNCAPPED_LANE_DEPTHS = (2, 4)
 """``lane_depth`` of the ``proxy_shallow_lane+depth<N>`` arms. The default, 2 x
 ``max_batch_size`` (32 long requests), never opens a second instance for online's long rows at
@@ -505,8 +510,15 @@ def _catalog() -> dict[str, ArmPlan]:
         "(routing.wake.expired_copy)",
         routing={"wake": {**NUDGE_WAKE, "expired_copy": True}},
     )
+    ring = replace(
+        expired,
+        name=f"{expired.name}+ring",
+        description=f"{expired.name} whose expired copy goes to any instance silent for "
+        f"{RING_AFTER_MS:g} ms, without waiting for its batch time (routing.wake.ring_after_ms)",
+        routing={"wake": {**NUDGE_WAKE, "expired_copy": True, "ring_after_ms": RING_AFTER_MS}},
+    )
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed, *capped, expired]
+    plans[at:at] = [lane, *packed, *capped, expired, ring]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

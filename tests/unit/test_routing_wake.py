@@ -222,6 +222,44 @@ def test_nudge_targets_are_the_quiet_instances_holding_a_request_to_resend() -> 
         assert nudge_targets({}, w.fleet.instances) == []
 
 
+def test_the_doorbell_judges_only_instances_with_an_expired_copy_and_sooner_than_a_batch() -> None:
+    # routing.wake.ring_after_ms: an expired copy costs no device time, so an instance
+    # holding one is judged after the doorbell's delay, long or short work alike; others
+    # keep the margin over their batch time (a request redirected there would join a batch
+    # that may be running normally).
+    async def again() -> None:
+        return None
+
+    with world(7, 3) as w:
+        t0, t1, t2 = (w.fleet.get(n) for n in ("t0", "t1", "t2"))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(w.fleet.track(t0, "m"))
+            stack.enter_context(w.fleet.track(t1, "m", work=Work(long=True)))
+            stack.enter_context(w.fleet.track(t2, "m"))
+            t0.resend["m"] = Resend(again, expired=True)
+            t1.resend["m"] = Resend(again, expired=True)
+            t2.resend["m"] = Resend(again, expired=False)
+            now = w.clock.now()
+
+            def judged(at: float) -> dict[str, set[str]]:
+                return quiet_instances(w.fleet.instances.values(), at, after, None, 0.003)
+
+            assert judged(now + 0.002) == {}
+            assert judged(now + 0.004) == {"m": {"t0", "t1"}}
+            assert judged(now + 0.021) == {"m": {"t0", "t1", "t2"}}  # t2 by its batch time
+            # without the doorbell the same instances wait for the margin
+            assert quiet_instances(w.fleet.instances.values(), now + 0.004, after) == {}
+            # woken and not answered since: not judged again
+            t0.woken_at = now + 0.004
+            assert judged(now + 0.010) == {"m": {"t1"}}
+            w.clock.advance(0.010)
+            w.fleet.report_answer(t0)  # rings again 3 ms after its answer
+            assert judged(now + 0.012) == {"m": {"t1"}}
+            assert judged(now + 0.0135) == {"m": {"t0", "t1"}}
+    with pytest.raises(ValueError, match="ring_after_ms"):
+        WakeParams(ring_after_ms=0)
+
+
 def test_an_instance_holding_long_work_is_judged_only_with_an_expired_copy_to_send() -> None:
     # A copy that Triton rejects as expired costs no device time, so a stalled long request
     # can be nudged too (routing.wake.expired_copy). A real copy would run again, and a
