@@ -59,7 +59,8 @@ Every arm sends the same schedule to the same local Triton servers:
   (``pack_capped: always``); ``+lane+pack90+backlog``: at any occupancy while that class has
   requests queued at the gate (``pack_capped: backlogged``); ``+backlog+expired``: its
   nudge sends an expired copy, to instances holding long work too
-  (``routing.wake.expired_copy``).
+  (``routing.wake.expired_copy``); ``+expired+ring``: that copy goes after
+  :data:`RING_AFTER_MS` of silence, not 1.5 batch times (``routing.wake.ring_after_ms``).
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -554,8 +555,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
     # replay with long work packed near capacity (twenty-second round) and the throughput
     # class's backlog packed at any load and Triton's stall ended by expired copies
-    # (twenty-fourth round; it is policies/mixed-traffic.yaml). The earlier rounds' arms stay
-    # in the catalog by name.
+    # (twenty-fourth round), sent after a fixed silence (twenty-sixth round; it is
+    # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
@@ -563,7 +564,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

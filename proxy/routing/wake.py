@@ -61,6 +61,14 @@ timeouts the copy would run, and a short request redirected there would join the
 batch). Measured:
 docs/benchmarks.md, issue 10, twentieth round (the nudge) and twenty-fourth (``expired_copy``).
 
+The doorbell (``ring_after_ms``, with ``expired_copy``): the proxy cannot tell a stalled
+request from one whose batch is still running before ``margin`` batch times have passed, but
+an expired copy costs no device time, so it need not tell them apart: an instance holding an
+expired copy to send is judged after a fixed silence (3 ms in the benchmark) since its last
+send or answer. A running batch then gets one copy that expires in Triton's queue; a stalled
+request waits that silence plus at most one scan, not 1.5 batch times (23 ms for a 512-token
+row in ``long_share.yaml``). Measured: docs/benchmarks.md, issue 10, twenty-sixth round.
+
 ``by_work`` (issue 10, fifteenth round) replaced the full-batch rule, which judged every
 instance by twice a full batch of the model's typical requests (about 36 ms in
 ``long_share.yaml``), while a stalled instance usually holds one to three short requests (a
