@@ -137,7 +137,9 @@ class WakeParams:
     Measured (docs/benchmarks.md, issue 10, twenty-sixth round): at ``long_share.yaml``
     x0.5, 3 ms cut the real-time P99 from 25.9 to 16.0 ms, online's from 29.9 to 25.2 and
     online's 512-token rows' from 47.8 to 31.0, for 0.02 cores of the proxy's and 0.02 of
-    Triton's."""
+    Triton's. The price is copies: nearly every batch longer than this with nothing else
+    sent to its instance gets one (0.98 copies per request at x0.25, 0.70 at x1, 0.17 at
+    x2), each a full copy of a held request that Triton counts as a failed one."""
 
     def __post_init__(self) -> None:
         if self.margin < 1.0:

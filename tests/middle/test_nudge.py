@@ -182,3 +182,35 @@ def test_an_expired_copy_releases_a_stalled_request(
         original, copy = fake.inferences()[-2:]
         assert "timeout" not in (original.parameters or {})
         assert (copy.parameters or {}).get("timeout") == 1
+
+
+@pytest.mark.parametrize("expired", [True, False])
+def test_the_doorbell_rings_only_with_an_expired_copy(
+    proxy_on: ProxyFactory, fakes: FakeFleet, expired: bool
+) -> None:
+    """``ring_after_ms``: with ``expired_copy`` a stalled request is released after that
+    silence, long before the margin rule (here 10 s) would judge its instance; without an
+    expired copy to send the doorbell does not ring, and the request stays stalled."""
+    doc = policy(nudge=True)
+    doc["routing"]["wake"].update(
+        {"expired_copy": expired, "ring_after_ms": 5, "min_quiet_ms": 10_000}
+    )
+    with proxy_on(doc) as proxy:
+        warm(proxy)
+        stall_everywhere(fakes, "simple")
+        body = json.dumps(infer_doc()).encode()
+        port = port_of(proxy)
+        t, got = in_thread(lambda: raw(port, "POST", "/v2/models/simple/infer", [], body).status)
+        t.join(1.0)
+        if expired:
+            assert got == [200], "the doorbell did not release the stalled request"
+            assert nudges(proxy) == 1
+            return
+        assert t.is_alive() and not got, "released without an expired copy to send"
+        assert nudges(proxy) == 0
+        for fake in fakes.servers:
+            fake.faults.clear()
+        for _ in range(3):
+            assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
+        t.join(5)
+        assert got == [200]
