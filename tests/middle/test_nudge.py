@@ -90,6 +90,29 @@ def in_thread(send: Any) -> tuple[threading.Thread, list[Any]]:
     return t, got
 
 
+def held_request(proxy: ProxyThread, fakes: FakeFleet, wait_s: float) -> Any:
+    """A request for ``simple`` sent in a thread after every fake is set to stall it, and
+    waited for ``wait_s``: (thread, its answers, a function that ends the stall the way
+    Triton's ends, by arrivals, and waits for the answer)."""
+    warm(proxy)
+    stall_everywhere(fakes, "simple")
+    body = json.dumps(infer_doc()).encode()
+    port = port_of(proxy)
+    t, got = in_thread(lambda: raw(port, "POST", "/v2/models/simple/infer", [], body).status)
+    t.join(wait_s)
+
+    def release() -> None:
+        for fake in fakes.servers:  # only the request already held stays stalled
+            fake.faults.clear()
+        # The next requests: round robin (or the wake) sends one to the stalled one's fake.
+        for _ in range(3):
+            assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
+        t.join(5)
+        assert got == [200]
+
+    return t, got, release
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_stalled_request_is_released_by_a_copy_and_answered_once(
     proxy_on: ProxyFactory, fakes: FakeFleet, protocol: str
@@ -121,20 +144,9 @@ def test_without_the_nudge_a_stalled_request_waits_for_the_next_arrival(
 ) -> None:
     """The control: the fakes' stall holds the request until another request arrives."""
     with proxy_on(policy(nudge=False)) as proxy:
-        warm(proxy)
-        stall_everywhere(fakes, "simple")
-        body = json.dumps(infer_doc()).encode()
-        port = port_of(proxy)
-        t, got = in_thread(lambda: raw(port, "POST", "/v2/models/simple/infer", [], body).status)
-        t.join(0.5)
+        t, got, release = held_request(proxy, fakes, 0.5)
         assert t.is_alive() and not got, "the stall did not hold the request"
-        for fake in fakes.servers:  # only the request already held stays stalled
-            fake.faults.clear()
-        # The next requests: round robin (or the wake) sends one to the stalled one's fake.
-        for _ in range(3):
-            assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
-        t.join(5)
-        assert got == [200]
+        release()
         assert nudges(proxy) == 0
 
 
@@ -196,21 +208,11 @@ def test_the_doorbell_rings_only_with_an_expired_copy(
         {"expired_copy": expired, "ring_after_ms": 5, "min_quiet_ms": 10_000}
     )
     with proxy_on(doc) as proxy:
-        warm(proxy)
-        stall_everywhere(fakes, "simple")
-        body = json.dumps(infer_doc()).encode()
-        port = port_of(proxy)
-        t, got = in_thread(lambda: raw(port, "POST", "/v2/models/simple/infer", [], body).status)
-        t.join(1.0)
+        t, got, release = held_request(proxy, fakes, 1.0)
         if expired:
             assert got == [200], "the doorbell did not release the stalled request"
             assert nudges(proxy) == 1
             return
         assert t.is_alive() and not got, "released without an expired copy to send"
         assert nudges(proxy) == 0
-        for fake in fakes.servers:
-            fake.faults.clear()
-        for _ in range(3):
-            assert raw(port, "POST", "/v2/models/simple/infer", [], body).status == 200
-        t.join(5)
-        assert got == [200]
+        release()
