@@ -289,9 +289,7 @@ class Runtime:
                     self.clock.now(),
                     self._quiet_after,
                     self._quiet_after_work if wake.by_work else None,
-                    wake.ring_after_ms / 1e3
-                    if wake.ring_after_ms is not None and self.dispatcher.expired_copy
-                    else None,
+                    wake.ring_after_s(),
                 )
                 if wake.nudge:
                     self._nudge()

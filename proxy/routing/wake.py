@@ -149,6 +149,13 @@ class WakeParams:
         if self.ring_after_ms is not None and self.ring_after_ms <= 0:
             raise ValueError(f"ring_after_ms must be > 0 or null, got {self.ring_after_ms}")
 
+    def ring_after_s(self) -> float | None:
+        """``ring_after_ms`` in seconds where the doorbell applies (the wake, ``nudge`` and
+        ``expired_copy`` on), else None."""
+        if self.ring_after_ms is None or not (self.enabled and self.nudge and self.expired_copy):
+            return None
+        return self.ring_after_ms / 1e3
+
     def quiet_after_s(self, batch_s: float | None) -> float | None:
         """How long an instance running a model whose full batch takes ``batch_s`` (None:
         unknown) must go without a send or an answer before it is quiet (None: never)."""

@@ -258,6 +258,11 @@ def test_the_doorbell_judges_only_instances_with_an_expired_copy_and_sooner_than
             assert judged(now + 0.0135) == {"m": {"t0", "t1"}}
     with pytest.raises(ValueError, match="ring_after_ms"):
         WakeParams(ring_after_ms=0)
+    # the doorbell rings only where its copy is an expired one
+    assert WakeParams(nudge=True, expired_copy=True, ring_after_ms=3).ring_after_s() == 0.003
+    assert WakeParams(nudge=True, ring_after_ms=3).ring_after_s() is None
+    assert WakeParams(expired_copy=True, ring_after_ms=3).ring_after_s() is None
+    assert WakeParams(nudge=True, expired_copy=True).ring_after_s() is None
 
 
 def test_an_instance_holding_long_work_is_judged_only_with_an_expired_copy_to_send() -> None:
