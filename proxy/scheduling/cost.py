@@ -134,6 +134,8 @@ class _Fit:
     typical: float = 0.0
     """Exponentially weighted median of costs (stochastic approximation)."""
     samples: int = 0
+    first: list[tuple[float, float]] | None = field(default_factory=list)
+    """The first :data:`SEED` timings, held until the fit starts (None from then)."""
 
     def add(self, cost: float, seconds: float, decay: float) -> None:
         self.w = self.w * decay + 1.0
@@ -147,6 +149,27 @@ class _Fit:
 CLIP = 3.0
 """A timed batch counts as at most this many times the curve's expectation, and at least
 its fraction."""
+SEED = 10
+"""Timings a model's fit waits for before it gives a curve."""
+
+
+def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(base, slope)`` of the Theil-Sen line through ``points``: the median slope over pairs
+    of distinct ``x`` (0 when there are none; never below 0), then the median intercept. A
+    few points far off (under ~29 %) do not move it."""
+    slopes = sorted(
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1) in enumerate(points)
+        for x2, y2 in points[i + 1 :]
+        if abs(x2 - x1) > 1e-9 * max(abs(x1), abs(x2), 1.0)
+    )
+    slope = max(0.0, _median(slopes)) if slopes else 0.0
+    return max(0.0, _median(sorted(y - slope * x for x, y in points))), slope
+
+
+def _median(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
 @dataclass
@@ -199,13 +222,25 @@ class CostModel:
         one such sample moved a least-squares line for the next hundred. A curve that is
         truly wrong still moves: each sample pulls it up to that factor (the fit's own curve,
         not an override's, so a reload that drops the override finds the fit unbent by
-        it)."""
+        it). The fit starts from the :func:`theil_sen` line of the first :data:`SEED`
+        timings (each enters at its cost, on that line): a stall among them has no curve to
+        be clipped against (measured in CI: a 500 ms batch among the first ten left the
+        least-squares slope at 0.8 of accel_sim's 2 us per unit)."""
+        fit = self._fit(model, cost)
+        self._curves.pop(model, None)
+        if fit.first is not None:
+            fit.first.append((cost, seconds))
+            if len(fit.first) < SEED:
+                return
+            base, slope = theil_sen(fit.first)
+            for x, _ in fit.first:
+                fit.add(x, base + slope * x, self.decay)
+            fit.first = None
+            return
         fitted = self._fitted(model)
         if fitted is not None:
-            expected = fitted[0] + fitted[1] * cost
-            seconds = min(max(seconds, expected / CLIP), CLIP * expected)
-        self._fit(model, cost).add(cost, seconds, self.decay)
-        self._curves.pop(model, None)
+            seconds = _clip(seconds, fitted[0] + fitted[1] * cost)
+        fit.add(cost, seconds, self.decay)
 
     def curve(self, model: str) -> tuple[float, float] | None:
         """``(base_s, per_unit_s)`` for ``model``, or None before enough samples."""
@@ -223,7 +258,7 @@ class CostModel:
 
     def _fitted(self, model: str) -> tuple[float, float] | None:
         fit = self._fits.get(model)
-        if fit is None or fit.samples < 10 or fit.w <= 0:
+        if fit is None or fit.samples < SEED or fit.w <= 0:
             return None
         mean_x, mean_y = fit.x / fit.w, fit.y / fit.w
         var = fit.xx / fit.w - mean_x * mean_x
@@ -244,6 +279,12 @@ class CostModel:
         """Expected service time of a batch of this one request, or None when unknown."""
         curve = self.curve(model)
         return None if curve is None else curve[0] + curve[1] * cost
+
+
+def _clip(seconds: float, expected: float) -> float:
+    if expected <= 0:
+        return seconds
+    return min(max(seconds, expected / CLIP), CLIP * expected)
 
 
 GROUP_S = 0.001

@@ -290,4 +290,4 @@ async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet:
     ratios = sorted(seconds / (0.003 + 2e-6 * units + 0.002) for units, seconds in samples)
     assert 0.8 <= ratios[len(ratios) // 2] <= 1.4, samples
     assert {units for units, _ in samples} >= {16 * 500.0, 16 * 3000.0}, samples
-    assert curve is not None and 1.5e-6 <= curve[1] <= 2.6e-6, curve
+    assert curve is not None and 1.5e-6 <= curve[1] <= 2.6e-6, (curve, samples)

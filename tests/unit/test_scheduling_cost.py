@@ -276,6 +276,29 @@ def test_one_stalled_batch_moves_the_curve_by_a_bounded_amount() -> None:
     assert (model.seconds("m", 2000.0) or 0.0) > 0.95 * 0.009
 
 
+@pytest.mark.parametrize("at", [0, 4, 9])
+def test_a_stall_among_the_first_timings_does_not_bend_the_first_curve(at: int) -> None:
+    # CI, with accel_sim (3 ms + 2 us per unit, 2 ms queue delay): a 500 ms batch among the
+    # first ten timings, when no curve existed to clip it against, left the fit at 74 ms +
+    # 0.8 us per unit.
+    model = CostModel()
+    costs = [8000.0] * 6 + [48000.0] * 4
+    for i, cost in enumerate(costs):
+        model.observe_batch("m", cost, 0.500 if i == at else 0.005 + 2e-6 * cost)
+        assert (model.curve("m") is None) == (i < len(costs) - 1)
+    base, per_unit = model.curve("m") or (0.0, 0.0)
+    assert (base, per_unit) == pytest.approx((0.005, 2e-6), rel=0.01)
+
+
+def test_theil_sen_ignores_a_few_points_far_off() -> None:
+    from proxy.scheduling.cost import theil_sen
+
+    points = [(float(x), 1.0 + 2.0 * x) for x in range(8)] + [(3.0, 100.0), (5.0, -50.0)]
+    assert theil_sen(points) == pytest.approx((1.0, 2.0))
+    assert theil_sen([(4.0, 1.0), (4.0, 9.0), (4.0, 3.0)]) == (3.0, 0.0)  # one x: flat
+    assert theil_sen([(1.0, 5.0), (2.0, 3.0), (3.0, 1.0)]) == (3.0, 0.0)  # never falls
+
+
 def test_a_curve_far_too_low_still_climbs_to_the_truth() -> None:
     model = CostModel()
     for _ in range(20):
