@@ -86,7 +86,7 @@ import yaml
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
 from proxy.bench.procs import stop_process
-from proxy.bench.results import PROXY_RSS
+from proxy.bench.results import PROXY_COPIES, PROXY_RSS
 from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.local.fleet import log_tail
@@ -897,6 +897,7 @@ def parse_vm_rss_mib(status: str) -> float | None:
 TRITON_PENDING = "nv_inference_pending_request_count"
 PROXY_IN_FLIGHT = "triton_proxy_instance_in_flight"
 PROXY_OCCUPANCY = "triton_proxy_model_occupancy"
+PROXY_NUDGES = "triton_proxy_quiet_nudges_total"
 
 
 def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGaugeProbe:
@@ -907,16 +908,18 @@ def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGau
 
 
 def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints) -> LoadProbe:
-    """Triton's queued requests plus the proxy's own in-flight count per instance."""
+    """Triton's queued requests plus the proxy's own in-flight count per instance (and its
+    model occupancy, wake copies and memory)."""
     pending = triton_pending_probe(servers, model)
     parts: list[tuple[LoadProbe, str]] = [(pending, " queued")]
     if endpoints.metrics_url is not None:
         page = {"proxy": endpoints.metrics_url}
         in_flight = PrometheusGaugeProbe(page, PROXY_IN_FLIGHT, split_label="instance")
         occupancy = PrometheusGaugeProbe(page, PROXY_OCCUPANCY, {"model": model})
-        parts.append(
-            (OneScrapeProbe([(in_flight, " proxy in flight"), (occupancy, " occupancy")]), "")
-        )
+        copies = PrometheusGaugeProbe(page, PROXY_NUDGES)  # summed: key "proxy"
+        scrape = [(in_flight, " proxy in flight"), (occupancy, " occupancy")]
+        scrape.append((copies, PROXY_COPIES.removeprefix("proxy")))
+        parts.append((OneScrapeProbe(scrape), ""))
     if endpoints.pid is not None:
         parts.append((RssProbe(endpoints.pid), ""))
     if len(parts) == 1:

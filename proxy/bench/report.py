@@ -13,7 +13,7 @@ from types import ModuleType
 
 import numpy as np
 
-from proxy.bench.results import Report, Spread, size_label
+from proxy.bench.results import Report, Spread, copies_per_request, size_label
 
 LAG_WARN_MS = 20.0
 """Dispatch lag above this means the load generator itself fell behind the schedule."""
@@ -124,6 +124,8 @@ def render_table(report: Report) -> str:
         rss = [a.proxy_rss_mib["max"] for a in ok if a.proxy_rss_mib]
         if rss:
             notes.append(f"proxy RSS max {max(rss):.0f} MiB")
+        if per_request := copies_per_request(ok):
+            notes.append(f"wake copies {per_request:.2f}/request")
         lines.append(
             f"{arm:<{w}} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
             f"{_ms(lag):>11}  {' | '.join(notes)}"

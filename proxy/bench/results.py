@@ -23,7 +23,10 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
   :data:`TAIL_SHARE` with the batch's rows, padded length and device time, so the report can
   split their latency into the run of their batch and the wait before it (queues, the
   proxy, the network);
-- the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`).
+- the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`);
+- the copies the proxy sent to wake Triton's batcher (``routing.wake.nudge``: each a whole
+  request Triton receives, rejects or runs, and the proxy drops the answer of) when the arm's
+  probe reports them (:data:`PROXY_COPIES`): the price of the nudge, per request.
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
 then summarised across repetitions; absolute times from different runs are not compared.
@@ -52,6 +55,10 @@ TAIL_SHARE = 0.01
 """The slowest share of a run's requests whose batches :attr:`ClassStats.tail` keeps."""
 PROXY_RSS = "proxy rss MiB"
 """Probe sample key holding the proxy process's resident memory (proxy arms only)."""
+PROXY_COPIES = "proxy copies"
+"""Probe sample key holding the proxy's ``triton_proxy_quiet_nudges_total`` (a counter)."""
+NOT_LOAD = frozenset({PROXY_RSS, PROXY_COPIES})
+"""Probe sample keys that are not an instance's load."""
 
 
 @dataclass
@@ -186,6 +193,9 @@ class ArmResult:
     """``"<class> <reason>"`` -> requests shed."""
     proxy_rss_mib: dict[str, float] | None = None
     """``first`` / ``max`` / ``last`` probed RSS of the proxy process, MiB (proxy arms)."""
+    proxy_copies: float | None = None
+    """Copies the proxy sent to wake Triton's batcher after the warm-up (proxy arms that
+    report them: none sent at all reads as None), :func:`copies_sent`."""
 
     def min_window(self, cls: str) -> int | None:
         w = self.windows.get(cls)
@@ -240,6 +250,7 @@ class ArmResult:
             "sizes": {n: c.to_dict() for n, c in self.sizes.items()},
             "sheds": dict(self.sheds),
             "proxy_rss_mib": self.proxy_rss_mib,
+            "proxy_copies": self.proxy_copies,
         }
 
 
@@ -322,6 +333,25 @@ def rss_summary(rec: RunRecords) -> dict[str, float] | None:
     return {"first": values[0], "max": max(values), "last": values[-1]}
 
 
+def copies_sent(rec: RunRecords, warmup_s: float) -> float | None:
+    """The proxy's wake copies from the end of the warm-up (the last probe by then) to the
+    run's last probe that read it, or None when none did (the counter has no sample until
+    the first copy: until then it reads 0)."""
+    seen = [(t, s[PROXY_COPIES]) for t, s in rec.load_samples if PROXY_COPIES in s]
+    if not seen:
+        return None
+    before = [value for t, value in seen if t <= warmup_s]
+    return seen[-1][1] - (before[-1] if before else 0.0)
+
+
+def copies_per_request(arms: Sequence[ArmResult]) -> float | None:
+    """The wake copies of the runs that reported them, per request they scheduled in the
+    measured period (a copy sent while the last requests drain counts too)."""
+    seen = [a for a in arms if a.proxy_copies is not None]
+    requests = sum(a.total().scheduled for a in seen)
+    return sum(a.proxy_copies or 0.0 for a in seen) / requests if requests else None
+
+
 def summarize_run(
     name: str,
     scenario: Scenario,
@@ -342,6 +372,7 @@ def summarize_run(
         window_s=window_s,
         sheds=Counter(rec.sheds),
         proxy_rss_mib=rss_summary(rec),
+        proxy_copies=copies_sent(rec, scenario.warmup_s),
     )
     bucket = np.fromiter((a.bucket for a in schedule), dtype=np.int64, count=n)
 
@@ -423,7 +454,7 @@ def client_in_flight(rec: RunRecords, grid_s: float) -> LoadSeries:
 
 
 def probed_load(rec: RunRecords) -> LoadSeries:
-    names = sorted({k for _, sample in rec.load_samples for k in sample} - {PROXY_RSS})
+    names = sorted({k for _, sample in rec.load_samples for k in sample} - NOT_LOAD)
     series = LoadSeries(source="probe", t=[round(t, 6) for t, _ in rec.load_samples])
     for name in names:
         series.values[name] = [sample.get(name) for _, sample in rec.load_samples]

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.capacity import class_capacity
-from proxy.bench.results import ArmResult, Report
+from proxy.bench.results import ArmResult, Report, copies_per_request
 from proxy.bench.scenario import Scenario
 
 SLO_ATTAINMENT = 0.99
@@ -158,6 +158,7 @@ def sweep_summary(
                         "p50_vs_best": ratio_p50,
                         "proxy_rss_mib_max": max(r["max"] for r in rss) if rss else None,
                         "proxy_rss_mib_first": min(r["first"] for r in rss) if rss else None,
+                        "copies_per_request": copies_per_request(reps),
                     }
                 )
     out["goodput"] = goodput(out)
