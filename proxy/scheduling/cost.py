@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -157,19 +158,14 @@ def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """``(base, slope)`` of the Theil-Sen line through ``points``: the median slope over pairs
     of distinct ``x`` (0 when there are none; never below 0), then the median intercept. A
     few points far off (under ~29 %) do not move it."""
-    slopes = sorted(
+    slopes = [
         (y2 - y1) / (x2 - x1)
         for i, (x1, y1) in enumerate(points)
         for x2, y2 in points[i + 1 :]
         if abs(x2 - x1) > 1e-9 * max(abs(x1), abs(x2), 1.0)
-    )
-    slope = max(0.0, _median(slopes)) if slopes else 0.0
-    return max(0.0, _median(sorted(y - slope * x for x, y in points))), slope
-
-
-def _median(ordered: Sequence[float]) -> float:
-    n = len(ordered)
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    ]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return max(0.0, statistics.median(y - slope * x for x, y in points)), slope
 
 
 @dataclass
