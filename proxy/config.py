@@ -7,7 +7,8 @@ YAML and reports errors with the file, the path inside it and a hint.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from proxy.canary import CanaryConfig
 from proxy.control.config import ControlConfig
 from proxy.fleet.instances import HealthConfig, InstanceSpec
 from proxy.leadership import LeadershipConfig
-from proxy.routing.config import RoutingConfig, check_policies
+from proxy.routing.config import RoutingConfig, check_policies, with_class_defaults
 from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
 
@@ -155,12 +156,32 @@ class ProxyConfig:
 
 
 def parse(data: Any, source: str | None = None) -> ProxyConfig:
-    config = strict.load(ProxyConfig, data, "", source)
+    config = _class_defaults(strict.load(ProxyConfig, data, "", source), data)
     # Policy parameters are checked at load, not on a model's first request.
     check_policies(config.routing, "routing", source)
     if config.canary is not None and config.canary.routing is not None:
         check_policies(config.canary.routing, "canary.routing", source)
     return config
+
+
+def _class_defaults(config: ProxyConfig, data: Any) -> ProxyConfig:
+    """With priority classes, the routing an arm's file leaves out is the measured one
+    (:func:`proxy.routing.config.with_class_defaults`): for the main arm when it has a
+    ``scheduling`` section, for a canary with its own ``routing`` section when its classes
+    (its own, or the main arm's) are on."""
+    raw = data if isinstance(data, Mapping) else {}
+    if config.scheduling is not None:
+        routing = with_class_defaults(config.routing, raw.get("routing"))
+        config = replace(config, routing=routing)
+    canary = config.canary
+    if canary is None or canary.routing is None:
+        return config
+    if (canary.scheduling or config.scheduling) is None:
+        return config
+    raw_canary = raw.get("canary")
+    raw_routing = raw_canary.get("routing") if isinstance(raw_canary, Mapping) else None
+    routing = with_class_defaults(canary.routing, raw_routing)
+    return replace(config, canary=replace(canary, routing=routing))
 
 
 def read_document(path: str | Path) -> Any:

@@ -213,6 +213,8 @@ class Dispatcher:
         """``routing.wake.nudge``: keep a way to resend one short request per instance."""
         self.expired_copy = False
         """``routing.wake.expired_copy``: resend it as an expired copy, long ones too."""
+        self.real_copy = True
+        """``routing.wake.real_copy``: where no expired copy can be sent, a copy that runs."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -444,15 +446,16 @@ class Dispatcher:
     ) -> Resend | None:
         """How ``routing.wake.nudge`` may send this request to ``instance`` again: an
         expired copy where ``expired_copy`` is on and the model's queue policy honours a
-        timeout (Triton rejects it unrun), else a real copy of a short request; None for
-        what must not run twice (streams, sequences, decoupled models) or long work."""
+        timeout (Triton rejects it unrun), else a real copy of a short request (where
+        ``real_copy`` allows one); None for what must not run twice (streams, sequences,
+        decoupled models) or long work."""
         call = r.call
         if r.stream or call.params.sequence_id is not None or r.info is None or r.info.decoupled:
             return None
         if self.expired_copy and r.info.honours_timeout(_level(call, forward.priority)):
             copy = Forward(forward.priority, EXPIRED_US)
             return Resend(functools.partial(r.send, instance, copy), expired=True)
-        if work.long:
+        if work.long or not self.real_copy:
             return None
         return Resend(functools.partial(r.send, instance, forward), expired=False)
 

@@ -283,6 +283,7 @@ class Runtime:
             await asyncio.sleep(wake.scan_ms / 1e3)
             self.dispatcher.nudge = wake.enabled and wake.nudge
             self.dispatcher.expired_copy = wake.enabled and wake.nudge and wake.expired_copy
+            self.dispatcher.real_copy = wake.real_copy
             if wake.enabled:
                 self.fleet.quiet = quiet_instances(
                     self.fleet.instances.values(),

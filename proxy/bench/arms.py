@@ -20,6 +20,10 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_previous_best``: the best proxy configuration before issue 10, pinned:
   ``least_requests`` + classes with a fixed ``concurrency`` of 2 x ``max_batch_size`` (32),
   no deadline admission (``shed_late: false``), adaptive concurrency off;
+- ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
+  file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
+  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+by_rank`` with
+  ``slot_sharing: by_rank``;
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -264,6 +268,22 @@ def _catalog() -> dict[str, ArmPlan]:
                 "shed_late": False,
                 "adaptive_concurrency": {"enabled": False},
             },
+        ),
+        ArmPlan(
+            "proxy_classes_default",
+            "proxy",
+            "triton-proxy with the scenario's classes and nothing else: the routing a policy "
+            "file with classes gets when it names no policy (proxy.routing.config.CLASS_POLICY "
+            "and CLASS_WAKE), every scheduling default",
+            classes=True,
+        ),
+        ArmPlan(
+            "proxy_classes_default+by_rank",
+            "proxy",
+            "proxy_classes_default with slot_sharing by_rank (a class counts only the slots of "
+            "classes at least as important)",
+            classes=True,
+            scheduling={"slot_sharing": "by_rank"},
         ),
         ArmPlan(
             "proxy_class_aware",
@@ -656,7 +676,7 @@ def proxy_policy(
 
     HTTP only, unless ``grpc_addresses`` (one per server) turns the gRPC frontend on.
     """
-    if plan.kind != "proxy" or plan.policy is None:
+    if plan.kind != "proxy" or (plan.policy is None and not plan.classes):
         raise ValueError(f"{plan.name} is not a proxy arm")
     instances: list[dict[str, Any]] = [
         {"name": s.name, "http": s.http_url, "metrics": s.metrics_url} for s in servers
@@ -667,11 +687,11 @@ def proxy_policy(
     doc: dict[str, Any] = {
         "instances": instances,
         "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
-        "routing": {
-            "policy": {"name": plan.policy, "params": dict(plan.policy_params or {})},
-            **dict(plan.routing or {}),
-        },
+        "routing": dict(plan.routing or {}),
     }
+    if plan.policy is not None:  # None: the proxy's default with classes
+        policy = {"name": plan.policy, "params": dict(plan.policy_params or {})}
+        doc["routing"]["policy"] = policy
     if plan.classes:
         if scenario is None:
             raise ValueError(f"{plan.name} needs the scenario's classes")

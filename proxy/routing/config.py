@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy import strict
@@ -56,6 +56,42 @@ class RoutingConfig:
 
     def policy_for(self, model: str) -> PolicySpec:
         return self.models.get(model, self.policy)
+
+
+CLASS_POLICY = PolicySpec(
+    "expected_finish",
+    {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged"},
+)
+"""The routing policy when priority classes are on and the file names none: the placement
+issue 10's benchmark measured against round robin with Triton priorities and HAProxy
+(docs/benchmarks.md, issue 10; ``policies/mixed-traffic.yaml`` is the same with the
+throughput class's lane on top). Without classes the default stays :class:`PolicySpec`'s."""
+
+CLASS_WAKE = WakeParams(
+    min_quiet_ms=6.0,
+    scan_ms=3.0,
+    margin=1.5,
+    nudge=True,
+    expired_copy=True,
+    real_copy=False,
+    ring_after_ms=3.0,
+)
+"""The wake that goes with :data:`CLASS_POLICY` when the file gives neither a policy nor a
+wake: the benchmark's, except that no copy that runs is ever sent (``real_copy: false``).
+Only a model whose queue policy honours a request's timeout (``allow_timeout_override`` and
+a ``default_timeout_microseconds``) gets expired copies; the others get the redirect wake."""
+
+
+def with_class_defaults(config: RoutingConfig, data: Any) -> RoutingConfig:
+    """``config`` for an arm with priority classes, loaded from ``data`` (the raw routing
+    section, or None): where ``data`` names no ``policy`` the policy is :data:`CLASS_POLICY`,
+    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`. Keys given in
+    the file always win; a file that names a policy keeps every other default as it is."""
+    given = data if isinstance(data, Mapping) else {}
+    if "policy" in given:
+        return config
+    wake = config.wake if "wake" in given else CLASS_WAKE
+    return replace(config, policy=CLASS_POLICY, wake=wake)
 
 
 def load_routing_config(

@@ -122,6 +122,12 @@ class WakeParams:
     run and pads nothing. Instances holding long work are then judged and nudged too,
     while their copy is an expired one (a copy of a long request costs no device time
     either); otherwise they are not judged (module doc). Opt-in."""
+    real_copy: bool = True
+    """With ``nudge``: where no expired copy can be sent (``expired_copy`` off, or the
+    model's queue policy ignores a request's timeout), send a copy that runs. False: only
+    expired copies are sent, so nothing runs twice (a model that ignores timeouts gets the
+    redirect of the next short request only, as without ``nudge``). The defaults with
+    classes (:data:`proxy.routing.config.CLASS_WAKE`) set it false."""
     by_work: bool = True
     """Judge an instance without long work by the expected time of what it has in flight
     rather than by a full batch of the model's typical requests (module doc)."""

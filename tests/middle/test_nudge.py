@@ -24,7 +24,9 @@ from tests.middle.conftest import (
     infer_doc,
     port_of,
     raw,
+    running_proxy,
     wait_for,
+    with_defaults,
 )
 
 WAKE = {"min_quiet_ms": 20, "scan_ms": 5, "margin": 1.0}
@@ -214,5 +216,31 @@ def test_the_doorbell_rings_only_with_an_expired_copy(
             assert nudges(proxy) == 1
             return
         assert t.is_alive() and not got, "released without an expired copy to send"
+        assert nudges(proxy) == 0
+        release()
+
+
+@pytest.mark.parametrize("honours_timeout", [True, False])
+def test_without_real_copies_only_a_model_that_honours_timeouts_is_copied(
+    honours_timeout: bool,
+) -> None:
+    """``real_copy: false`` (the default with classes): an expired copy still rings the
+    doorbell, but a model whose queue policy ignores a request's timeout gets no copy at
+    all, since that one would run."""
+    doc = policy(nudge=True)
+    doc["routing"]["wake"].update(
+        {"expired_copy": True, "real_copy": False, "ring_after_ms": 5, "min_quiet_ms": 10_000}
+    )
+    models = timed_models if honours_timeout else default_models
+    with (
+        FakeFleet(3, models=models) as fleet,
+        running_proxy(fleet.servers, with_defaults(doc)) as proxy,
+    ):
+        t, got, release = held_request(proxy, fleet, 1.0)
+        if honours_timeout:
+            assert got == [200], "the doorbell did not release the stalled request"
+            assert nudges(proxy) == 1
+            return
+        assert t.is_alive() and not got, "a model that ignores timeouts was copied"
         assert nudges(proxy) == 0
         release()

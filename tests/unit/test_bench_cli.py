@@ -30,6 +30,7 @@ from proxy.bench.arms import (
 from proxy.bench.fleet import RepositoryError, bench_repository, set_parameters
 from proxy.bench.scenario import ClassSpec, ModelSpec, Scenario, load_scenario
 from proxy.cli import build_parser
+from proxy.routing.config import CLASS_POLICY
 from proxy.routing.registry import POLICIES
 from proxy.scheduling.config import load_scheduling
 
@@ -292,7 +293,8 @@ def test_proxy_policy_documents_parse(name):
     cfg = config_mod.parse(doc, "<test>")
     assert [i.name for i in cfg.instances] == [s.name for s in SERVERS]
     assert all(i.grpc is None for i in cfg.instances)  # HTTP only: no gRPC frontend to run
-    assert cfg.routing.policy.name == plan.policy
+    # No policy named: the proxy's default with classes.
+    assert cfg.routing.policy.name == (plan.policy or CLASS_POLICY.name)
     assert cfg.listen.http_port == 0 and cfg.listen.host == "127.0.0.1"
     if plan.classes:
         assert cfg.scheduling is not None

@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 
 from proxy import config
+from proxy.routing.config import CLASS_POLICY, CLASS_WAKE, PolicySpec
+from proxy.routing.wake import WakeParams
 from proxy.strict import ConfigError
 
 MINIMAL = {"instances": [{"name": "a", "http": "http://127.0.0.1:8000"}]}
@@ -56,3 +58,52 @@ def test_secrets_never_appear_in_config_errors() -> None:
         text = str(info.value)
         assert "s3cr3t" not in text and "98765432101" not in text, text
         assert "policy.yaml" in text
+
+
+CLASSES = {"scheduling": {"default_class": "offline"}}
+"""A ``scheduling`` section: the default three classes on."""
+
+
+def test_without_classes_the_routing_defaults_stay() -> None:
+    cfg = config.parse(MINIMAL)
+    assert cfg.routing.policy == PolicySpec() and cfg.routing.wake == WakeParams()
+
+
+def test_with_classes_and_no_policy_named_the_measured_routing_is_the_default() -> None:
+    cfg = config.parse({**MINIMAL, **CLASSES})
+    assert cfg.routing.policy == CLASS_POLICY and cfg.routing.policy.name == "expected_finish"
+    assert cfg.routing.wake == CLASS_WAKE
+    # The default sends only copies Triton rejects unrun: nothing runs twice.
+    assert cfg.routing.wake.nudge and cfg.routing.wake.expired_copy
+    assert not cfg.routing.wake.real_copy
+
+
+def test_a_named_policy_keeps_every_other_routing_default() -> None:
+    routing = {"policy": {"name": "least_requests"}}
+    cfg = config.parse({**MINIMAL, **CLASSES, "routing": routing})
+    assert cfg.routing.policy.name == "least_requests" and cfg.routing.wake == WakeParams()
+
+
+def test_a_wake_given_in_the_file_wins_over_the_class_default() -> None:
+    routing = {"wake": {"enabled": False}, "stale-after-s": 2.0}
+    cfg = config.parse({**MINIMAL, **CLASSES, "routing": routing})
+    assert cfg.routing.policy == CLASS_POLICY
+    assert cfg.routing.wake == WakeParams(enabled=False) and cfg.routing.stale_after_s == 2.0
+
+
+@pytest.mark.parametrize("main_classes", [True, False])
+def test_a_canary_routing_section_gets_the_class_default_where_its_classes_are_on(
+    main_classes: bool,
+) -> None:
+    canary: dict[str, object] = {"share": 0.1, "routing": {"stale_after_s": 2.0}}
+    doc = {**MINIMAL, "canary": canary, **(CLASSES if main_classes else {})}
+    cfg = config.parse(doc)
+    assert cfg.canary is not None and cfg.canary.routing is not None
+    expected = CLASS_POLICY if main_classes else PolicySpec()
+    assert cfg.canary.routing.policy == expected
+    # ...and with classes of its own.
+    canary["scheduling"] = {"default_class": "offline"}
+    cfg = config.parse(doc)
+    assert cfg.canary is not None and cfg.canary.routing is not None
+    assert cfg.canary.routing.policy == CLASS_POLICY
+    assert cfg.routing.policy == expected
