@@ -34,12 +34,15 @@ HOLD_MS = 1500
 LONG_MS = 3000
 GRPC_WIRE_SLACK_US = 50_000
 # One dispatch slot for the one instance: a second request waits in the proxy's class queue.
+# No nudge: with classes the default wake sends sleeper (it honours a request's timeout)
+# expired copies, which Triton counts as failures, and these tests count what reaches it.
 QUEUEING: dict[str, Any] = {
+    "routing": {"wake": {"nudge": False}},
     "scheduling": {
         "default_class": "online",
         "concurrency": 1,
         "classes": {"online": {"rank": 0, "triton_priority": 1}},
-    }
+    },
 }
 
 

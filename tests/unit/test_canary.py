@@ -14,6 +14,7 @@ from proxy import config as config_mod
 from proxy.canary import CANARY, MAIN, Splitter, session_point
 from proxy.clock import FakeClock
 from proxy.ops.canary_report import compare, format_report, histograms, quantile
+from proxy.routing.config import CLASS_POLICY
 from proxy.runtime import Runtime
 from proxy.strict import ConfigError
 from proxy.telemetry import Telemetry
@@ -133,7 +134,8 @@ async def test_routing_only_canary_shares_the_main_gates() -> None:
     assert d.canary is not None and d.splitter is not None
     assert d.canary.admission is rt.gates and rt.gates is not None and rt.gates.share == 1.0
     assert rt.canary_router is not None and rt.canary_router.policy("m")[0] == "round_robin"
-    assert rt.router.policy("m")[0] == "least_requests"
+    # The main arm names no policy and has classes: the default with classes.
+    assert rt.router.policy("m")[0] == CLASS_POLICY.name
     await rt.stop()
 
 
