@@ -23,7 +23,7 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
   file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
   :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+by_rank`` with
-  ``slot_sharing: by_rank``;
+  ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency;
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -284,6 +284,14 @@ def _catalog() -> dict[str, ArmPlan]:
             "classes at least as important)",
             classes=True,
             scheduling={"slot_sharing": "by_rank"},
+        ),
+        ArmPlan(
+            "proxy_classes_default+by_rank+adaptive",
+            "proxy",
+            "proxy_classes_default+by_rank with adaptive concurrency instead of the derived "
+            "fixed slots",
+            classes=True,
+            scheduling={"slot_sharing": "by_rank", "adaptive_concurrency": {"enabled": True}},
         ),
         ArmPlan(
             "proxy_class_aware",
