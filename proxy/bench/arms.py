@@ -23,7 +23,8 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
   file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
   :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+by_rank`` with
-  ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency;
+  ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
+  ``+by_rank+late`` with deadline admission (``shed_late``);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -292,6 +293,14 @@ def _catalog() -> dict[str, ArmPlan]:
             "fixed slots",
             classes=True,
             scheduling={"slot_sharing": "by_rank", "adaptive_concurrency": {"enabled": True}},
+        ),
+        ArmPlan(
+            "proxy_classes_default+by_rank+late",
+            "proxy",
+            "proxy_classes_default+by_rank with deadline admission (shed_late: a request "
+            "predicted past its class's SLO is shed at once)",
+            classes=True,
+            scheduling={"slot_sharing": "by_rank", "shed_late": True},
         ),
         ArmPlan(
             "proxy_class_aware",
