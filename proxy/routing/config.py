@@ -17,9 +17,10 @@ from proxy.routing.wake import WakeParams
 @dataclass(frozen=True)
 class PolicySpec:
     name: str = "least_requests"
-    """A key of :data:`proxy.routing.registry.POLICIES`. The default is the policy with the
-    lowest tail latency in our benchmark (docs/benchmarks.md): the proxy's own in-flight counts
-    are exact and immediate, while scraped metrics lag by up to a scrape interval."""
+    """A key of :data:`proxy.routing.registry.POLICIES`. Without priority classes the default
+    is the policy with the lowest tail latency in the benchmark without them
+    (docs/benchmarks.md): the proxy's own in-flight counts are exact and immediate, while
+    scraped metrics lag by up to a scrape interval. With classes, :data:`CLASS_POLICY`."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """The policy's own parameters (validated by the policy's params dataclass)."""
 
