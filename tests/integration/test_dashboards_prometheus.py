@@ -42,6 +42,7 @@ from proxy.local import TritonServer
 from proxy.ops import dashboards
 from proxy.ops.canary_report import format_report, report
 from proxy.ops.render import Prometheus, PromQLError, render, substitute
+from proxy.routing.config import CLASS_POLICY
 from tests.integration.harness import ProxyThread, running_proxy
 
 pytestmark = pytest.mark.integration
@@ -286,7 +287,8 @@ def test_the_loops_decided_in_dry_run_and_changed_nothing(proof: Proof) -> None:
 def test_both_canary_arms_are_on_the_dashboards(proof: Proof) -> None:
     expr = 'sum by (arm, policy) (triton_proxy_routing_decisions_total{model="accel_sim"})'
     seen = {(r["metric"]["arm"], r["metric"]["policy"]) for r in proof.prom.query(expr)}
-    assert seen == {("main", "least_requests"), ("canary", "round_robin")}
+    # The main arm has classes and names no policy: the default with classes.
+    assert seen == {("main", CLASS_POLICY.name), ("canary", "round_robin")}
 
 
 def test_canary_report_compares_the_arms_on_real_data(proof: Proof) -> None:
