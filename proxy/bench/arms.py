@@ -65,7 +65,10 @@ Every arm sends the same schedule to the same local Triton servers:
   requests queued at the gate (``pack_capped: backlogged``); ``+backlog+expired``: its
   nudge sends an expired copy, to instances holding long work too
   (``routing.wake.expired_copy``); ``+expired+ring``: that copy goes after
-  :data:`RING_AFTER_MS` of silence, not 1.5 batch times (``routing.wake.ring_after_ms``).
+  :data:`RING_AFTER_MS` of silence, not 1.5 batch times (``routing.wake.ring_after_ms``);
+  it is ``policies/mixed-traffic.yaml``, and ``+ring+adaptive``, ``+ring+late`` and
+  ``+ring+adaptive+late`` add adaptive concurrency (instead of its 64 fixed slots) and
+  deadline admission (``shed_late``) to it.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -555,8 +558,29 @@ def _catalog() -> dict[str, ArmPlan]:
         f"{RING_AFTER_MS:g} ms, without waiting for its batch time (routing.wake.ring_after_ms)",
         routing={"wake": {**NUDGE_WAKE, "expired_copy": True, "ring_after_ms": RING_AFTER_MS}},
     )
+    # The shipped arm (policies/mixed-traffic.yaml) with issue 10's opt-in mechanisms on top.
+    fixed = dict(ring.scheduling or {})
+    adaptive = {k: v for k, v in fixed.items() if k != "concurrency"}
+    adaptive["adaptive_concurrency"] = {"enabled": True}
+    on_ring = [
+        replace(
+            ring,
+            name=f"{ring.name}+{suffix}",
+            description=f"{ring.name} (policies/mixed-traffic.yaml) with {what}",
+            scheduling=scheduling,
+        )
+        for suffix, what, scheduling in (
+            ("adaptive", "adaptive concurrency instead of its 64 fixed slots (up to 64)", adaptive),
+            ("late", "deadline admission (shed_late)", {**fixed, "shed_late": True}),
+            (
+                "adaptive+late",
+                "adaptive concurrency and deadline admission",
+                {**adaptive, "shed_late": True},
+            ),
+        )
+    ]
     at = plans.index(delays) + 3
-    plans[at:at] = [lane, *packed, *capped, expired, ring]
+    plans[at:at] = [lane, *packed, *capped, expired, ring, *on_ring]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

@@ -288,7 +288,7 @@ class Gate:
             # no timer is armed.
             capacity = max(0, self._capacity())
             if self._core.take(name, now, capacity, max(1, self._instances())):
-                if held_to is not None and self.lateness.late(0.0, name, held_to):
+                if held_to is not None and self.lateness.late(0.0, name, held_to, hard=budget.hard):
                     self._core.release(name)
                     self._observer.on_shed(name, ShedReason.LATE)
                     raise Shed(ShedReason.LATE, config.retry_after_s, name)
@@ -296,7 +296,7 @@ class Gate:
                 self._observer.on_dispatch(name, 0.0, ticket.order)
                 return ticket
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        result = self._core.push(future, name, now, held_to)
+        result = self._core.push(future, name, now, held_to, hard=budget.hard)
         for victim in result.evicted:
             self._fail(victim, ShedReason.OVERLOAD)
         if result.entry is None:
@@ -398,7 +398,9 @@ class Gate:
     def _late(self, entry: Entry[asyncio.Future[Ticket]], waited_s: float) -> bool:
         if entry.budget_s is None:
             return False
-        return self.lateness.late(waited_s, entry.class_name, entry.budget_s)
+        return self.lateness.late(
+            waited_s, entry.class_name, entry.budget_s, hard=entry.budget_hard
+        )
 
     def _arm_timer(self) -> None:
         deadline = self._core.next_expiry()

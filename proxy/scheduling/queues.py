@@ -72,6 +72,8 @@ class Entry(Generic[T]):
     """How long after ``enqueued_at`` the request stops being worth serving (its deadline
     budget, :class:`proxy.scheduling.deadline.Budget`), when the gate holds it to that at the
     head of its queue; None: it does not."""
+    budget_hard: bool = False
+    """The budget is a client deadline (:attr:`proxy.scheduling.deadline.Budget.hard`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,13 @@ class ClassQueues(Generic[T]):
         return self._in_flight.get(class_name, 0)
 
     def push(
-        self, item: T, class_name: str, now: float, budget_s: float | None = None
+        self,
+        item: T,
+        class_name: str,
+        now: float,
+        budget_s: float | None = None,
+        *,
+        hard: bool = False,
     ) -> PushResult[T]:
         """Queue ``item`` in ``class_name`` (a configured class, else KeyError), or shed it."""
         queue = self._queues[class_name]
@@ -190,7 +198,7 @@ class ClassQueues(Generic[T]):
             self._total_queued -= 1
             evicted = (dropped,)
         self._seq += 1
-        entry = Entry(item, class_name, now, self._seq, budget_s)
+        entry = Entry(item, class_name, now, self._seq, budget_s, hard)
         queue[entry.seq] = entry
         self._total_queued += 1
         return PushResult(entry, None, evicted)
