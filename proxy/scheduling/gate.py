@@ -288,7 +288,9 @@ class Gate:
             # no timer is armed.
             capacity = max(0, self._capacity())
             if self._core.take(name, now, capacity, max(1, self._instances())):
-                if held_to is not None and self.lateness.late(0.0, name, held_to, hard=budget.hard):
+                if held_to is not None and self.lateness.late(
+                    0.0, name, held_to, hard=budget.hard, now=now
+                ):
                     self._core.release(name)
                     self._observer.on_shed(name, ShedReason.LATE)
                     raise Shed(ShedReason.LATE, config.retry_after_s, name)
@@ -367,7 +369,7 @@ class Gate:
                         self._observer.on_cancel(entry.class_name)
                         continue
                     waited = now - entry.enqueued_at
-                    if self._late(entry, waited):
+                    if self._late(entry, waited, now):
                         # Already past saving: its slot goes to the next one instead.
                         self._core.release(entry.class_name)
                         self._fail(entry, ShedReason.LATE)
@@ -395,11 +397,11 @@ class Gate:
         slo = self._core.config.classes[name].slo_p99_ms
         return Budget.of(client_deadline, None if slo is None else now + slo / 1e3)
 
-    def _late(self, entry: Entry[asyncio.Future[Ticket]], waited_s: float) -> bool:
+    def _late(self, entry: Entry[asyncio.Future[Ticket]], waited_s: float, now: float) -> bool:
         if entry.budget_s is None:
             return False
         return self.lateness.late(
-            waited_s, entry.class_name, entry.budget_s, hard=entry.budget_hard
+            waited_s, entry.class_name, entry.budget_s, hard=entry.budget_hard, now=now
         )
 
     def _arm_timer(self) -> None:

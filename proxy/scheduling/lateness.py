@@ -29,6 +29,12 @@ request is shed when ``predicted > budget``. Before ``min_dispatches`` dispatche
   gets about half of them answered late (measured: up to 31 % of Triton's work at 2x load was
   then abandoned over gRPC, docs/benchmarks.md).
 
+A client deadline's estimate must stay fresh: if every request of a class is shed by the
+slow-answer rule, none is answered to correct it, and a class slow for a moment would be shed
+for good. So the spread counts only while the class's last answer is at most ``window_s`` old;
+after that the mean alone decides (as for a class budget), the next request that has not
+waited is sent, and its answer refreshes the estimate: one request per ``window_s`` at most.
+
 Only waiting is ever blamed: when ``inside(class)`` alone exceeds the budget (the model is slower
 than the objective, whatever the queue), nothing is shed, since shedding could not help. Before
 session 30 a class budget was held to the slow-answer rule too, and a request that had not
@@ -61,12 +67,14 @@ class LatenessPredictor:
     _dispatches: deque[float] = field(default_factory=deque)
     _inside: dict[str, float] = field(default_factory=dict)
     _deviation: dict[str, float] = field(default_factory=dict)
+    _seen_at: dict[str, float] = field(default_factory=dict)
 
     def on_dispatch(self, now: float) -> None:
         self._dispatches.append(now)
         self._trim(now)
 
-    def observe_inside(self, class_name: str, seconds: float) -> None:
+    def observe_inside(self, class_name: str, seconds: float, now: float) -> None:
+        self._seen_at[class_name] = now
         old = self._inside.get(class_name)
         if old is None:
             self._inside[class_name] = seconds
@@ -100,16 +108,19 @@ class LatenessPredictor:
         predicted = self.predicted_s(ahead, class_name, now)
         return predicted is not None and predicted > budget_s
 
-    def late(self, waited_s: float, class_name: str, budget_s: float, *, hard: bool) -> bool:
+    def late(
+        self, waited_s: float, class_name: str, budget_s: float, *, hard: bool, now: float
+    ) -> bool:
         """Whether a request that waited ``waited_s`` would be answered after ``budget_s``
         because of that wait, while the mean time inside alone fits in the budget. For a soft
         budget (a class SLO): the wait plus the mean time inside is past it. For a hard one (a
         client deadline): there is no longer time for a slow answer, the mean plus ``spread``
-        mean deviations (Jacobson's estimator, as TCP sets its retransmission timeout)."""
+        mean deviations (Jacobson's estimator, as TCP sets its retransmission timeout), while
+        the class's last answer is at most ``window_s`` old (the module's docstring)."""
         inside = self.inside(class_name)
         if not inside < budget_s:
             return False
-        if hard:
+        if hard and now - self._seen_at.get(class_name, now) <= self.window_s:
             inside += self.spread * self._deviation.get(class_name, 0.0)
         return budget_s < waited_s + inside
 

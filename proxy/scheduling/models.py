@@ -152,7 +152,7 @@ class ModelGates:
         info = self._infos.get(model)
         gate = self.gates.get(model)
         if gate is not None:
-            gate.lateness.observe_inside(class_name, inside_s)
+            gate.lateness.observe_inside(class_name, inside_s, self.clock.now())
         if self.adaptive is None or info is None:
             return None
         per_batch = max(1, info.max_batch_size) * max(1, info.model_instances)

@@ -19,7 +19,7 @@ def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
         p.on_dispatch(i * 0.1)
     assert p.predicted_s(100, "rt", 0.5) is None
     p.on_dispatch(0.5)
-    p.observe_inside("rt", 0.05)
+    p.observe_inside("rt", 0.05, 0.0)
     assert p.predicted_s(10, "rt", 0.5) == pytest.approx(10 / 5 + 0.05)
     assert p.rate(5.0) is None  # the window emptied: idle gate, no prediction
 
@@ -49,7 +49,7 @@ async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_ne
     # Ten dispatches in the last second: the gate serves about 10 requests per second.
     for i in range(10):
         gate.lateness.on_dispatch(i * 0.1)
-    gate.lateness.observe_inside("rt", 0.02)
+    gate.lateness.observe_inside("rt", 0.02, 0.0)
     clock.t = 0.95
     hold = asyncio.Event()
 
@@ -78,12 +78,12 @@ async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_ne
 def test_a_model_slower_than_the_slo_is_not_a_reason_to_shed() -> None:
     p = LatenessPredictor(window_s=1.0, min_dispatches=1)
     p.on_dispatch(0.0)
-    p.observe_inside("rt", 0.5)  # every answer takes 500 ms: an SLO of 100 ms is unreachable
+    p.observe_inside("rt", 0.5, 0.0)  # every answer takes 500 ms: an SLO of 100 ms is unreachable
     assert not p.shed_at_arrival(100, "rt", 0.1, 0.5)
-    assert not p.late(10.0, "rt", 0.1, hard=False)
-    assert not p.late(10.0, "rt", 0.1, hard=True)
-    p.observe_inside("fast", 0.01)
-    assert p.late(0.2, "fast", 0.1, hard=False)
+    assert not p.late(10.0, "rt", 0.1, hard=False, now=0.0)
+    assert not p.late(10.0, "rt", 0.1, hard=True, now=0.0)
+    p.observe_inside("fast", 0.01, 0.0)
+    assert p.late(0.2, "fast", 0.1, hard=False, now=0.0)
 
 
 async def _queue_one_ahead(gate: Gate, hold: asyncio.Event) -> list[asyncio.Task[None]]:
@@ -103,9 +103,9 @@ def _busy(gate: Gate, clock: FakeClock, inside_s: float = 0.02) -> None:
     assert gate.lateness is not None
     for i in range(10):
         gate.lateness.on_dispatch(i * 0.1)
-    gate.lateness.observe_inside("rt", inside_s)
-    gate.lateness.observe_inside("off", inside_s)
     clock.t = 0.95
+    gate.lateness.observe_inside("rt", inside_s, clock.t)
+    gate.lateness.observe_inside("off", inside_s, clock.t)
 
 
 @pytest.mark.timeout(10)
@@ -167,7 +167,7 @@ async def test_a_request_that_waited_past_its_budget_is_not_dispatched(
     clock = FakeClock()
     gate, _ = make_gate(clock, capacity=1)
     assert gate.lateness is not None
-    gate.lateness.observe_inside(klass, 0.03)
+    gate.lateness.observe_inside(klass, 0.03, 0.0)
     release = asyncio.Event()
 
     async def first() -> None:
@@ -228,17 +228,17 @@ async def test_without_shed_late_only_a_client_deadline_is_held_at_the_head() ->
 def test_late_allows_for_a_slow_answer_when_times_inside_vary() -> None:
     steady, noisy = LatenessPredictor(), LatenessPredictor()
     for i in range(200):
-        steady.observe_inside("rt", 0.05)
-        noisy.observe_inside("rt", 0.02 if i % 2 else 0.08)
+        steady.observe_inside("rt", 0.05, 0.0)
+        noisy.observe_inside("rt", 0.02 if i % 2 else 0.08, 0.0)
     assert steady.inside("rt") == pytest.approx(0.05)
     assert noisy.inside("rt") == pytest.approx(0.05, abs=0.004)
     # 60 ms left of a 100 ms client deadline: time for a steady 50 ms answer, not for a
     # noisy one, whose client would likely be gone.
-    assert not steady.late(0.04, "rt", 0.1, hard=True)
-    assert noisy.late(0.04, "rt", 0.1, hard=True)
+    assert not steady.late(0.04, "rt", 0.1, hard=True, now=0.0)
+    assert noisy.late(0.04, "rt", 0.1, hard=True, now=0.0)
     # Of a class SLO, the same wait leaves time for the mean answer: it is served.
-    assert not noisy.late(0.04, "rt", 0.1, hard=False)
-    assert noisy.late(0.06, "rt", 0.1, hard=False)
+    assert not noisy.late(0.04, "rt", 0.1, hard=False, now=0.0)
+    assert noisy.late(0.06, "rt", 0.1, hard=False, now=0.0)
 
 
 async def test_a_request_that_has_not_waited_is_never_late_for_its_class_slo() -> None:
@@ -248,7 +248,7 @@ async def test_a_request_that_has_not_waited_is_never_late_for_its_class_slo() -
     gate, observer = make_gate(clock, capacity=4)
     assert gate.lateness is not None
     for i in range(200):  # mean 60 ms inside, mean deviation 40 ms: slow = 140 ms > 100
-        gate.lateness.observe_inside("rt", 0.02 if i % 2 else 0.1)
+        gate.lateness.observe_inside("rt", 0.02 if i % 2 else 0.1, 0.0)
     async with gate.admit("rt") as ticket:
         assert ticket.waited_s == 0.0
     assert not observer.sheds
@@ -265,7 +265,7 @@ async def test_a_request_too_late_even_unqueued_is_shed_with_a_free_slot() -> No
     clock = FakeClock()
     gate, observer = make_gate(clock, capacity=1, shed_late=False)
     # No SLO, so only the client deadline binds; mean 100 ms inside, slow 200 ms (2 x 50 ms).
-    gate.lateness.observe_inside("off", 0.1)
+    gate.lateness.observe_inside("off", 0.1, 0.0)
     with pytest.raises(Shed) as info:
         await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
     assert info.value.reason is ShedReason.LATE and info.value.retry_after_s == 1.0
@@ -274,4 +274,26 @@ async def test_a_request_too_late_even_unqueued_is_shed_with_a_free_slot() -> No
     async with gate.admit("off", deadline=clock.now() + 0.25) as ticket:
         assert ticket.order == 0 and ticket.waited_s == 0.0
     assert [d.class_name for d in observer.dispatches] == ["off"]
+    gate.close()
+
+
+async def test_a_stale_estimate_lets_one_request_through_to_refresh_it() -> None:
+    """Every request of a class shed by the slow-answer rule leaves its estimate as it was:
+    once the class's last answer is older than the window, the mean alone decides and the
+    next request is sent (one per window), so a moment of slowness does not shed it for good."""
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=1, shed_late=False)
+    gate.lateness.observe_inside("off", 0.1, clock.now())  # slow answer 200 ms, mean 100 ms
+    with pytest.raises(Shed):
+        await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
+    clock.advance(0.9)
+    with pytest.raises(Shed):  # still fresh (window 1 s)
+        await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
+    clock.advance(0.2)
+    async with gate.admit("off", deadline=clock.now() + 0.15) as ticket:  # stale: the mean fits
+        assert ticket.waited_s == 0.0
+    gate.lateness.observe_inside("off", 0.1, clock.now())  # its answer refreshes the estimate
+    with pytest.raises(Shed):
+        await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
+    assert observer.sheds == [("off", ShedReason.LATE)] * 3
     gate.close()
