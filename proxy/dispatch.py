@@ -542,6 +542,9 @@ class Dispatcher:
                 alone = not instance.model_in_flight.get(call.model)
                 sent_at = time.perf_counter()
                 with self.fleet.track(instance, call.model, stream=stream, work=work):
+                    # Sent beside long work (this request's own included): its time inside
+                    # is a padded batch's, not the slots' (proxy.control.concurrency).
+                    beside_long = instance.long_in_flight.get(call.model, 0) > 0
                     forward = self._forward(call, r.info, priority)
                     resend = self._resend(r, instance, forward, work) if self.nudge else None
                     if resend is not None:
@@ -599,6 +602,7 @@ class Dispatcher:
                             work.class_name,
                             trace.inside_s,
                             in_flight,
+                            beside_long,
                             # Only adaptive concurrency reads it: not computed otherwise.
                             self.costs.batch_seconds(call.model, request.batch)
                             if gates.adaptive is not None

@@ -7,10 +7,17 @@ slots and batches cannot fill (throughput falls); too many and the top class wai
 that is already inside Triton. The right number moves with the load mix, so it is learned.
 
 **Signal.** The time requests of the most important class spend inside Triton (sent to
-answered) on that instance, over a window of ``window_s``. Other classes' samples never count
-as the signal (their requests are long, and they wait behind the top class by priority: more
-slots cause neither); they only estimate the batch that may be running (below). A window
-without top-class samples (an instance of the long lane, say) holds the limit or grows it.
+answered) on that instance, over a window of ``window_s``, counting only requests sent while
+no long request (:mod:`proxy.scheduling.cost`'s ``long_ratio``, or a capped class) of the
+model was in flight there. Other classes' samples never count as the signal (their requests
+are long, and they wait behind the top class by priority: more slots cause neither); nor do
+top-class requests sent beside long work: they ran in, or behind, a batch padded to a long
+row, which no number of slots shortens, and fewer slots only push the long work onto
+instances without it (measured, session 30: at ``long_share.yaml`` x2 behind the long lane,
+such samples cut every instance to its floor, the lane could no longer take online's long
+rows, real-time batches were padded to 512 tokens and the cuts went on; docs/benchmarks.md).
+Both kinds only estimate the batch that may be running (below). A window without top-class
+samples (an instance of the long lane, say) holds the limit or grows it.
 
 **Law** (AIMD, once per window with samples)::
 
@@ -33,8 +40,11 @@ cannot help (issue 10's first version cut without this test and, with long work 
 instance, ratcheted every instance down to its floor at x1 load: docs/benchmarks.md).
 ``low = min_batches x B x n``, ``high = max_batches x B x n`` and ``step = max(1, B x n / 4)``,
 where ``B`` is ``max_batch_size`` (1 without batching) and ``n`` the model's instance count
-per server. The limit only grows while it binds, so an idle instance keeps the limit that
-served it last. Bounds keep a full batch formable at all times.
+per server. The limit starts at ``start_batches x B x n`` (default: ``high``, so it is cut on
+evidence rather than grown into; deep Triton queues are what fill batches, and starting at 2
+batches cost the long lane its room in the first seconds of a surge). The limit only grows
+while it binds, so an idle instance keeps the limit that served it last. Bounds keep a full
+batch formable at all times.
 
 Source: TCP's AIMD (Chiu and Jain, 1989) applied to request concurrency as in Netflix's
 ``concurrency-limits`` (AIMDLimit), with a latency target taken from the SLO instead of a
@@ -60,6 +70,8 @@ class AdaptiveConcurrencyConfig:
     """A fixed target instead (seconds); also used when no class has an SLO (default 0.1)."""
     min_batches: float = 1.0
     max_batches: float = 4.0
+    start_batches: float | None = None
+    """Where each limit starts, in full batches; None: ``max_batches``."""
     decrease: float = 0.8
     window_s: float = 1.0
 
@@ -70,6 +82,9 @@ class AdaptiveConcurrencyConfig:
             raise ValueError("target_s must be > 0")
         if not 0 < self.min_batches <= self.max_batches:
             raise ValueError("need 0 < min_batches <= max_batches")
+        start = self.start_batches
+        if start is not None and not self.min_batches <= start <= self.max_batches:
+            raise ValueError("need min_batches <= start_batches <= max_batches")
         if not 0 < self.decrease < 1:
             raise ValueError("decrease must be within (0, 1)")
         if self.window_s <= 0:
@@ -95,8 +110,8 @@ class ConcurrencyLimit:
     _next_at: float | None = None
 
     def __post_init__(self) -> None:
-        # The starting limit (the fixed gate's 2 x B x n unless given), within the bounds.
-        self.limit = min(self.high, max(self.low, self.limit or 2 * self.step * 2))
+        # The starting limit (the ceiling unless given), within the bounds.
+        self.limit = min(self.high, max(self.low, self.limit or self.high))
         self._top = WindowedQuantiles(self.window_s)
         self._other = WindowedQuantiles(self.window_s)
 
@@ -177,7 +192,7 @@ class AdaptiveConcurrency:
                 target_s=self.target_s,
                 decrease=c.decrease,
                 window_s=c.window_s,
-                limit=2.0 * per_batch,  # clamped to [low, high] by the law
+                limit=(c.start_batches or c.max_batches) * per_batch,
                 ceiling_s=self.ceiling_s,
             )
         return law

@@ -145,10 +145,13 @@ class ModelGates:
         class_name: str,
         inside_s: float,
         in_flight: int,
+        beside_long: bool = False,
         batch_s: float | None = None,
     ) -> str | None:
         """One answered request's time inside Triton; feeds adaptive concurrency and deadline
-        admission. ``batch_s``: the model's full-batch time when the cost model knows it."""
+        admission. ``beside_long``: it was sent while long work of the model was in flight on
+        the instance (it then never counts as adaptive concurrency's signal).
+        ``batch_s``: the model's full-batch time when the cost model knows it."""
         info = self._infos.get(model)
         gate = self.gates.get(model)
         if gate is not None:
@@ -161,7 +164,7 @@ class ModelGates:
             model,
             per_batch,
             inside_s,
-            class_name == self.config.top_class(),
+            class_name == self.config.top_class() and not beside_long,
             in_flight,
             self.clock.now(),
             batch_s,

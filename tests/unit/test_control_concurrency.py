@@ -101,14 +101,22 @@ def test_lower_classes_long_answers_do_not_count_when_the_top_class_answered() -
 def test_targets_come_from_the_top_class_slo() -> None:
     a = AdaptiveConcurrency(AdaptiveConcurrencyConfig(target_fraction=0.5), top_slo_s=0.25)
     assert a.target_s == pytest.approx(0.125)
-    assert a.limit("i", "m", per_batch=16) == 32  # starts where the fixed rule was
+    assert a.limit("i", "m", per_batch=16) == 64  # starts at its ceiling, max_batches x B
+    two = AdaptiveConcurrency(AdaptiveConcurrencyConfig(start_batches=2), top_slo_s=0.25)
+    assert two.limit("i", "m", per_batch=16) == 32  # where the fixed rule was
     fixed = AdaptiveConcurrency(AdaptiveConcurrencyConfig(target_s=0.05), top_slo_s=0.25)
     assert fixed.target_s == 0.05
 
 
 @pytest.mark.parametrize(
     "bad",
-    [{"target_fraction": 0}, {"min_batches": 2, "max_batches": 1}, {"decrease": 1.0}],
+    [
+        {"target_fraction": 0},
+        {"min_batches": 2, "max_batches": 1},
+        {"decrease": 1.0},
+        {"start_batches": 5},
+        {"start_batches": 0.5},
+    ],
 )
 def test_config_is_validated(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -375,3 +375,34 @@ async def test_an_admission_reads_its_class_backlog_when_it_leaves_the_queue() -
         admission.release()
     hold.set()
     await other
+
+
+def test_top_class_answers_sent_beside_long_work_never_cut_adaptive_slots() -> None:
+    """A real-time request sent while long work was in flight on its instance ran in, or
+    behind, a padded batch: slots cannot shorten it, and cutting them pushes the long work
+    onto the instances without it (session 30). Only answers sent without it count."""
+    clock = FakeClock()
+    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
+    section = {
+        "default_class": "rt",
+        "adaptive_concurrency": {"enabled": True},
+        "classes": {"rt": {"rank": 0, "slo_p99_ms": 100}, "off": {"rank": 1}},
+    }
+    gates = ModelGates(load_scheduling(section), fleet, clock, RecordingObserver())
+    info = ModelInfo(max_batch_size=4, priority_levels=0, model_instances=1, decoupled=False)
+    gates.gate("m", info)
+    start = gates.slot_limit("a", "m")
+    assert start == 16  # max_batches (4) x max_batch_size (4)
+
+    def feed(beside_long: bool) -> list[str | None]:
+        moves = []
+        for _ in range(30):  # 300 ms inside against a 50 ms target, every slot in use
+            clock.advance(0.1)
+            moves.append(gates.observe_inside("a", "m", "rt", 0.3, 16, beside_long))
+        return moves
+
+    assert set(feed(beside_long=True)) <= {None, "up"}
+    assert gates.slot_limit("a", "m") == start
+    assert "down" in feed(beside_long=False)
+    assert gates.slot_limit("a", "m") < start
+    gates.close()
