@@ -11,6 +11,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import tritonclient.grpc.aio as aiogrpcclient
+from tritonclient.utils import InferenceServerException
 
 from proxy.scheduling import GateObserver
 from tests.integration.harness import ProxyThread, running_proxy, until
@@ -201,3 +203,86 @@ async def test_client_that_gives_up_leaves_the_queue_at_once(triton_fleet: Any) 
             await until(lambda: not gate.queued("online"), 5, "the abandoned request stayed queued")
             assert watch.cancelled == ["online"]
             assert gate.in_flight("online") == 1
+
+
+LATE_SLO_MS = 300
+SLEEP_MS = 50
+LATE_POLICY: dict[str, Any] = {
+    # No wake copies: sleeper honours a request's timeout, and these tests count requests.
+    "routing": {"wake": {"nudge": False}},
+    "scheduling": {
+        "default_class": "offline",
+        "concurrency": 1,  # one request per sleeper instance: 3 slots, the rest queue here
+        "shed_late": True,
+        "api_keys": {RT_KEY: {"class_name": "realtime"}, OFF_KEY: {"class_name": "offline"}},
+        "classes": {
+            "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": LATE_SLO_MS},
+            "offline": {"rank": 1, "triton_priority": 2, "queue_timeout_s": 60},
+        },
+    },
+}
+
+
+def sleeper_body(delay_ms: int) -> bytes:
+    doc = {
+        "inputs": [{"name": "DELAY_MS", "shape": [1, 1], "datatype": "INT32", "data": [delay_ms]}]
+    }
+    return json.dumps(doc).encode()
+
+
+async def test_deadline_admission_sheds_what_would_be_late_never_a_throughput_class(
+    triton_fleet: Any,
+) -> None:
+    """Issue 10 point 5 on real Triton servers: a burst of real-time requests far beyond the
+    fleet's three slots is shed, as far as its queue wait plus its mean time inside passes
+    its 300 ms SLO, at once with 429 + Retry-After (gRPC RESOURCE_EXHAUSTED); the rest are
+    served. The same burst of offline work (no SLO) waits and is served in full; and one
+    real-time request at a time, which never waits, is never shed."""
+    watch = Watch()
+    url = "/v2/models/sleeper/infer"
+    with running_proxy(triton_fleet.servers, LATE_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        base = f"http://{p.http}"
+
+        async def send(session: aiohttp.ClientSession, key: str) -> tuple[int, dict[str, str], str]:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with session.post(base + url, data=sleeper_body(SLEEP_MS), headers=headers) as r:
+                return r.status, dict(r.headers), await r.text()
+
+        async with aiohttp.ClientSession() as session:
+            # One at a time: the gate learns its rate and the class's time inside (~50 ms).
+            warm = [await send(session, RT_KEY) for _ in range(25)]
+            assert {status for status, _, _ in warm} == {200}
+            burst = await asyncio.gather(*(send(session, RT_KEY) for _ in range(60)))
+            offline = await asyncio.gather(*(send(session, OFF_KEY) for _ in range(60)))
+            alone = [await send(session, RT_KEY) for _ in range(10)]
+        statuses = Counter(status for status, _, _ in burst)
+        # 60 requests x 50 ms over 3 slots is about a second of waiting for the last: those
+        # predicted past 300 ms are shed, the first ones served.
+        assert statuses[200] >= 3 and statuses[429] >= 10, statuses
+        assert set(statuses) == {200, 429}, statuses
+        for status, headers, text in burst:
+            if status == 429:
+                assert int(headers["Retry-After"]) >= 1
+                assert "of class 'realtime' was shed" in json.loads(text)["error"]
+        assert watch.shed["realtime"] == statuses[429]
+        assert [status for status, _, _ in offline] == [200] * 60
+        assert [status for status, _, _ in alone] == [200] * 10
+        assert watch.shed["offline"] == 0
+
+        client = aiogrpcclient.InferenceServerClient(p.grpc)
+        try:
+            inputs = [aiogrpcclient.InferInput("DELAY_MS", [1, 1], "INT32")]
+            inputs[0].set_data_from_numpy(np.array([[SLEEP_MS]], dtype=np.int32))
+            auth = {"authorization": f"Bearer {RT_KEY}"}
+            answers = await asyncio.gather(
+                *(client.infer("sleeper", inputs, headers=auth) for _ in range(60)),
+                return_exceptions=True,
+            )
+        finally:
+            await client.close()
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        assert failures and len(failures) < 60, len(failures)
+        for failure in failures:
+            assert isinstance(failure, InferenceServerException), failure
+            assert failure.status() == "StatusCode.RESOURCE_EXHAUSTED", failure
