@@ -22,7 +22,8 @@ Every arm sends the same schedule to the same local Triton servers:
   no deadline admission (``shed_late: false``), adaptive concurrency off;
 - ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
   file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
-  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+by_rank`` with
+  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+adaptive+late``
+  with adaptive concurrency and deadline admission; ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
   ``+by_rank+late`` with deadline admission (``shed_late``);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
@@ -280,6 +281,14 @@ def _catalog() -> dict[str, ArmPlan]:
             "file with classes gets when it names no policy (proxy.routing.config.CLASS_POLICY "
             "and CLASS_WAKE), every scheduling default",
             classes=True,
+        ),
+        ArmPlan(
+            "proxy_classes_default+adaptive+late",
+            "proxy",
+            "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
+            "and deadline admission (shed_late)",
+            classes=True,
+            scheduling={"adaptive_concurrency": {"enabled": True}, "shed_late": True},
         ),
         ArmPlan(
             "proxy_classes_default+by_rank",
@@ -616,7 +625,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # lane (the best of the eighth to twentieth rounds) and the new configuration, the batcher
     # replay with long work packed near capacity (twenty-second round) and the throughput
     # class's backlog packed at any load and Triton's stall ended by expired copies
-    # (twenty-fourth round), sent after a fixed silence (twenty-sixth round; it is
+    # (twenty-fourth round), sent after a fixed silence (twenty-sixth round), with adaptive
+    # concurrency and deadline admission (twenty-ninth round; it is
     # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
@@ -625,7 +635,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

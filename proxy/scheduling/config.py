@@ -335,7 +335,8 @@ class SchedulingConfig:
     serving it late (:mod:`proxy.scheduling.lateness`). Off, a request is still not sent when
     its *client deadline* would pass before its answer (abandoned work). Off by default: in
     issue 10's benchmark case it shed 43% of real-time requests at half the FIFO capacity
-    (docs/benchmarks.md)."""
+    under the rule before session 30 (docs/benchmarks.md); on in policies/mixed-traffic.yaml,
+    the only configuration measured with today's rule."""
     adaptive_concurrency: AdaptiveConcurrencyConfig = field(
         default_factory=AdaptiveConcurrencyConfig
     )

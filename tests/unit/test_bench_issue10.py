@@ -445,7 +445,7 @@ def test_issue10_preset():
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
