@@ -38,8 +38,9 @@ waited is sent, and its answer refreshes the estimate: one request per ``window_
 Only waiting is ever blamed: when ``inside(class)`` alone exceeds the budget (the model is slower
 than the objective, whatever the queue), nothing is shed, since shedding could not help. Before
 session 30 a class budget was held to the slow-answer rule too, and a request that had not
-waited at all was shed whenever the class's mean plus two deviations passed its SLO: 88 % of
-real-time was shed so at ``burst.yaml`` x0.5 (docs/benchmarks.md, twenty-eighth round).
+waited at all was shed whenever the class's mean plus two deviations passed its SLO, and a
+whole class could stay shed (docs/benchmarks.md, twenty-ninth round; most likely also round
+28's 88 % of real-time shed at ``burst.yaml`` x0.5).
 
 Both checks are deadline admission (``scheduling.shed_late``). With it off, the gate still holds
 a request with a *client* deadline to it at the head of its queue: its client will be gone
