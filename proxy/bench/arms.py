@@ -22,8 +22,9 @@ Every arm sends the same schedule to the same local Triton servers:
   no deadline admission (``shed_late: false``), adaptive concurrency off;
 - ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
   file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
-  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+adaptive+late``
-  with adaptive concurrency and deadline admission; ``+by_rank`` with
+  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+slots64`` with 64
+  fixed slots per instance; ``+adaptive`` with adaptive concurrency, ``+adaptive+late`` also
+  with deadline admission; ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
   ``+by_rank+late`` with deadline admission (``shed_late``);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
@@ -281,6 +282,21 @@ def _catalog() -> dict[str, ArmPlan]:
             "file with classes gets when it names no policy (proxy.routing.config.CLASS_POLICY "
             "and CLASS_WAKE), every scheduling default",
             classes=True,
+        ),
+        ArmPlan(
+            "proxy_classes_default+slots64",
+            "proxy",
+            "proxy_classes_default with 64 fixed slots per instance (adaptive concurrency's "
+            "ceiling for max_batch_size 16) instead of the derived 2 x max_batch_size",
+            classes=True,
+            scheduling={"concurrency": 64},
+        ),
+        ArmPlan(
+            "proxy_classes_default+adaptive",
+            "proxy",
+            "proxy_classes_default with adaptive concurrency instead of the derived fixed slots",
+            classes=True,
+            scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
         ArmPlan(
             "proxy_classes_default+adaptive+late",
