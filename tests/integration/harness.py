@@ -122,3 +122,13 @@ def settled_successes(servers: Sequence[TritonServer], model: str) -> dict[str, 
             return counts
         counts = again
     raise AssertionError(f"Triton's success counts for {model!r} kept moving: {counts}")
+
+
+def sleeper_body(delay_ms: int, parameters: dict[str, Any] | None = None) -> bytes:
+    """A KServe JSON request for model ``sleeper``: sleep ``delay_ms``, with ``parameters``."""
+    doc: dict[str, Any] = {
+        "inputs": [{"name": "DELAY_MS", "shape": [1, 1], "datatype": "INT32", "data": [delay_ms]}]
+    }
+    if parameters:
+        doc["parameters"] = parameters
+    return json.dumps(doc).encode()

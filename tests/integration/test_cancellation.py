@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from proxy.frontends.grpc import method_path
 from proxy.local import TritonServer
-from tests.integration.harness import ProxyThread, running_proxy, until
+from tests.integration.harness import ProxyThread, running_proxy, sleeper_body, until
 
 pytestmark = pytest.mark.integration
 
@@ -54,15 +54,6 @@ class Counters:
     timeout_us: int
 
 
-def body(delay_ms: int, parameters: dict[str, Any] | None = None) -> bytes:
-    doc: dict[str, Any] = {
-        "inputs": [{"name": "DELAY_MS", "shape": [1, 1], "datatype": "INT32", "data": [delay_ms]}]
-    }
-    if parameters:
-        doc["parameters"] = parameters
-    return json.dumps(doc).encode()
-
-
 def grpc_request(delay_ms: int, parameters: dict[str, int] | None = None) -> bytes:
     request = pb.ModelInferRequest(model_name=MODEL)
     request.inputs.add(name="DELAY_MS", datatype="INT32", shape=[1, 1])
@@ -82,7 +73,7 @@ def counters_of(answer: dict[str, Any]) -> Counters:
 def read_counters(server: TritonServer) -> Counters:
     """The model's counters, asked of Triton directly (the query itself then counts as one
     completed request)."""
-    r = requests.post(server.http_url + URL, data=body(0), timeout=30)
+    r = requests.post(server.http_url + URL, data=sleeper_body(0), timeout=30)
     assert r.status_code == 200, r.text
     return counters_of(r.json())
 
@@ -182,7 +173,7 @@ async def test_http_disconnect_while_running_stops_the_proxy_not_triton(
     before = await asyncio.to_thread(read_counters, server)
     with running_proxy([server]) as p:
         async with aiohttp.ClientSession() as session:
-            task = asyncio.ensure_future(post(session, p, body(HOLD_MS)))
+            task = asyncio.ensure_future(post(session, p, sleeper_body(HOLD_MS)))
             await running_in_triton(p)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -204,11 +195,11 @@ async def test_clients_that_leave_the_proxys_queue_never_reach_triton(
     before = await asyncio.to_thread(read_counters, server)
     with running_proxy([server], QUEUEING) as p:
         async with aiohttp.ClientSession() as session:
-            holder = asyncio.ensure_future(post(session, p, body(HOLD_MS)))
+            holder = asyncio.ensure_future(post(session, p, sleeper_body(HOLD_MS)))
             await running_in_triton(p)
             gate = p.runtime.gates.gates[MODEL]
             # HTTP: the client disconnects while queued.
-            http_waiter = asyncio.ensure_future(post(session, p, body(10)))
+            http_waiter = asyncio.ensure_future(post(session, p, sleeper_body(10)))
             await until(lambda: gate.queued() == 1)
             http_waiter.cancel()
             await until(lambda: gate.queued() == 0)
@@ -235,7 +226,7 @@ async def test_expired_deadline_is_shed_before_dispatch(server: TritonServer) ->
     with running_proxy([server], QUEUEING) as p:
         async with aiohttp.ClientSession() as session:
             # Past at arrival: a KServe timeout of 1 µs.
-            status, text = await post(session, p, body(10, {"timeout": 1}))
+            status, text = await post(session, p, sleeper_body(10, {"timeout": 1}))
             assert status == 429, text
             assert "deadline" in json.loads(text)["error"]
             async with grpc.aio.insecure_channel(p.grpc) as channel:
@@ -245,9 +236,11 @@ async def test_expired_deadline_is_shed_before_dispatch(server: TritonServer) ->
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 # Past while queued behind a running request: answered at the deadline, and
                 # never sent.
-                holder = asyncio.ensure_future(post(session, p, body(HOLD_MS)))
+                holder = asyncio.ensure_future(post(session, p, sleeper_body(HOLD_MS)))
                 await running_in_triton(p)
-                status, text = await post(session, p, body(10), {"Triton-Timeout-Ms": "300"})
+                status, text = await post(
+                    session, p, sleeper_body(10), {"Triton-Timeout-Ms": "300"}
+                )
                 assert status == 429, text
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await infer(grpc_request(10), timeout=0.3)
@@ -267,11 +260,11 @@ async def test_expired_deadline_is_shed_before_dispatch(server: TritonServer) ->
 async def test_the_rest_of_the_deadline_is_handed_to_triton(server: TritonServer) -> None:
     with running_proxy([server]) as p:
         async with aiohttp.ClientSession() as session:
-            status, text = await post(session, p, body(0), {"Triton-Timeout-Ms": "5000"})
+            status, text = await post(session, p, sleeper_body(0), {"Triton-Timeout-Ms": "5000"})
             assert status == 200, text
             assert 4_000_000 < counters_of(json.loads(text)).timeout_us <= 5_000_000
             # A KServe timeout the client set is replaced by what is left of it.
-            status, text = await post(session, p, body(0, {"timeout": 4_000_000}))
+            status, text = await post(session, p, sleeper_body(0, {"timeout": 4_000_000}))
             assert 3_000_000 < counters_of(json.loads(text)).timeout_us <= 4_000_000
         with grpcclient.InferenceServerClient(p.grpc) as client:
             tensor = grpcclient.InferInput("DELAY_MS", [1, 1], "INT32")
@@ -291,7 +284,7 @@ async def test_without_cancel_upstream_abandoned_work_runs_in_triton(
     before = await asyncio.to_thread(read_counters, server)
     with running_proxy([server], {"limits": {"cancel_upstream": False}}) as p:
         async with aiohttp.ClientSession() as session:
-            status, text = await post(session, p, body(0), {"Triton-Timeout-Ms": "5000"})
+            status, text = await post(session, p, sleeper_body(0), {"Triton-Timeout-Ms": "5000"})
             assert status == 200, text
             assert counters_of(json.loads(text)).timeout_us == 0  # not handed on
         with grpcclient.InferenceServerClient(p.grpc) as client:
@@ -315,10 +308,10 @@ async def test_a_request_that_expires_in_the_queue_wakes_the_batcher_and_never_r
     rejected_before = stats(server)["fail"]["count"]
     async with aiohttp.ClientSession() as session:
         url = server.http_url + URL
-        running = asyncio.create_task(session.post(url, data=body(300)))
+        running = asyncio.create_task(session.post(url, data=sleeper_body(300)))
         await asyncio.sleep(0.1)  # it runs; the next two queue behind it
-        queued = asyncio.create_task(session.post(url, data=body(0)))
-        expired = await session.post(url, data=body(0, {"timeout": 1}))
+        queued = asyncio.create_task(session.post(url, data=sleeper_body(0)))
+        expired = await session.post(url, data=sleeper_body(0, {"timeout": 1}))
         assert expired.status >= 400, await expired.text()
         assert "timeout" in (await expired.text()).lower()
         for task in (running, queued):

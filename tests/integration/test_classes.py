@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as aiogrpcclient
 from tritonclient.utils import InferenceServerException
 
 from proxy.scheduling import GateObserver
-from tests.integration.harness import ProxyThread, running_proxy, until
+from tests.integration.harness import ProxyThread, running_proxy, sleeper_body, until
 
 pytestmark = pytest.mark.integration
 
@@ -221,13 +221,6 @@ LATE_POLICY: dict[str, Any] = {
         },
     },
 }
-
-
-def sleeper_body(delay_ms: int) -> bytes:
-    doc = {
-        "inputs": [{"name": "DELAY_MS", "shape": [1, 1], "datatype": "INT32", "data": [delay_ms]}]
-    }
-    return json.dumps(doc).encode()
 
 
 async def test_deadline_admission_sheds_what_would_be_late_never_a_throughput_class(
