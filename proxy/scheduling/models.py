@@ -145,7 +145,7 @@ class ModelGates:
         class_name: str,
         inside_s: float,
         in_flight: int,
-        beside_long: bool = False,
+        beside_long: bool,
         batch_s: float | None = None,
     ) -> str | None:
         """One answered request's time inside Triton; feeds adaptive concurrency and deadline
