@@ -22,9 +22,10 @@ Every arm sends the same schedule to the same local Triton servers:
   no deadline admission (``shed_late: false``), adaptive concurrency off;
 - ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
   file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
-  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default; ``+slots64`` with 64
-  fixed slots per instance; ``+adaptive`` with adaptive concurrency, ``+adaptive+late`` also
-  with deadline admission; ``+by_rank`` with
+  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default of session 30 (fixed
+  slots derived from ``max_batch_size``); ``+slots64`` with 64 fixed slots per instance;
+  ``+adaptive`` with adaptive concurrency (every default since session 31),
+  ``+adaptive+late`` also with deadline admission; ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
   ``+by_rank+late`` with deadline admission (``shed_late``);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
@@ -76,6 +77,10 @@ Proxy arms run ``triton-proxy serve`` in a child process by default, so the prox
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
 ``inprocess`` runs a :class:`~proxy.app.ProxyServer` in the generator's own loop, which is
 cheaper to start but charges the proxy's work to the generator's schedule.
+
+Adaptive concurrency is on by default since session 31. An arm turns it on only by name
+(``+adaptive``, or a ``policies/mixed-traffic.yaml`` arm): every other arm runs the fixed slots
+(its ``concurrency``, else ``2 x max_batch_size``) it was first measured with.
 """
 
 from __future__ import annotations
@@ -280,7 +285,8 @@ def _catalog() -> dict[str, ArmPlan]:
             "proxy",
             "triton-proxy with the scenario's classes and nothing else: the routing a policy "
             "file with classes gets when it names no policy (proxy.routing.config.CLASS_POLICY "
-            "and CLASS_WAKE), every scheduling default",
+            "and CLASS_WAKE), the scheduling defaults of session 30 (fixed slots derived from "
+            "max_batch_size; +adaptive is today's defaults)",
             classes=True,
         ),
         ArmPlan(
@@ -294,7 +300,8 @@ def _catalog() -> dict[str, ArmPlan]:
         ArmPlan(
             "proxy_classes_default+adaptive",
             "proxy",
-            "proxy_classes_default with adaptive concurrency instead of the derived fixed slots",
+            "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
+            "(every default since session 31)",
             classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
@@ -771,6 +778,10 @@ def proxy_policy(
             if plan.lowest_shallow_per_instance is not None:
                 shallow = plan.lowest_shallow_per_instance
                 section["classes"][lowest]["shallow_per_instance"] = shallow
+        # Adaptive concurrency is the default since session 31; the arms measured before then
+        # keep the fixed slots derived from max_batch_size (2 x 16 = 32 per instance) unless
+        # they name it (``+adaptive``) or a fixed ``concurrency``, so a name means one thing.
+        section["adaptive_concurrency"] = {"enabled": False}
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

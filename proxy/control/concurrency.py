@@ -60,10 +60,12 @@ from proxy.stats.window import WindowedQuantiles
 
 @dataclass(frozen=True)
 class AdaptiveConcurrencyConfig:
-    """``scheduling.adaptive_concurrency`` in the policy file. Off by default (see
-    docs/benchmarks.md, issue 10, for what it was measured to do)."""
+    """``scheduling.adaptive_concurrency`` in the policy file. On by default since session 31
+    (measured never worse than the fixed ``2 x max_batch_size`` slots it replaced, better
+    under bursts and at twice capacity: docs/benchmarks.md, issue 10, thirtieth round); off
+    (or a fixed ``scheduling.concurrency``) gives fixed slots."""
 
-    enabled: bool = False
+    enabled: bool = True
     target_fraction: float = 0.5
     """Target time inside Triton as a fraction of the top class's ``slo_p99_ms``."""
     target_s: float | None = None

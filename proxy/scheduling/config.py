@@ -314,8 +314,9 @@ class SchedulingConfig:
     api_key_header: str = "authorization"
     """``authorization`` expects ``Bearer <key>``; any other header carries the bare key."""
     concurrency: int | None = None
-    """Fixed dispatch slots per Triton instance; null = adaptive (``adaptive_concurrency``),
-    or :func:`derive_concurrency` from the model when that is disabled."""
+    """Fixed dispatch slots per Triton instance; null (the default) = adaptive
+    (``adaptive_concurrency``), or :func:`derive_concurrency` from the model when that is
+    disabled."""
     slot_sharing: SlotSharing = "shared"
     """How classes count the dispatch slots (capacity) against each other.
 

@@ -65,6 +65,7 @@ from proxy.bench.sweep import (
     sweep_summary,
     window_floor,
 )
+from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -468,6 +469,8 @@ def test_previous_best_and_class_aware_policies():
     assert new.routing.policy.name == "expected_start"
     assert new.routing.policy.params == {"long_placement": "spread"}  # as first measured
     assert new.scheduling is not None
+    # adaptive concurrency is a default since session 31; the arm keeps the fixed slots it
+    # was measured with
     assert new.scheduling.concurrency is None and not new.scheduling.adaptive()
     assert new.scheduling.shed_late is False
     caps = {n: c.max_per_instance for n, c in new.scheduling.classes.items()}
@@ -734,3 +737,22 @@ def test_shed_reason_reads_every_message_the_proxy_sends():
             continue  # answered 503, not 429
         err = _shed_error("accel_sim", Shed(reason, 1.0, "realtime"))
         assert shed_reason(str(err)) == reason.value, str(err)
+
+
+def test_class_default_arms_keep_their_slots_and_adaptive_is_todays_default():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+
+    def scheduling(arm: str):
+        parsed = config_mod.parse(proxy_policy(SERVERS, CATALOG[arm], sc), "<t>").scheduling
+        assert parsed is not None
+        return parsed
+
+    # measured before adaptive concurrency became a default: the slots derived from the model
+    assert not scheduling("proxy_classes_default").adaptive()
+    assert not scheduling("proxy_least_requests+classes").adaptive()
+    today = scheduling("proxy_classes_default+adaptive")
+    assert today.adaptive()
+    defaults = SchedulingConfig(
+        classes=today.classes, default_class=today.default_class, api_keys=today.api_keys
+    )
+    assert today == defaults

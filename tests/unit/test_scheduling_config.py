@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from proxy.control.concurrency import AdaptiveConcurrencyConfig
 from proxy.scheduling.config import (
     ClassConfig,
     SchedulingConfig,
@@ -124,6 +125,16 @@ def test_derive_concurrency(max_batch_size: int, instances: int, expected: int) 
     assert derive_concurrency(max_batch_size, instances) == expected
     assert SchedulingConfig().instance_concurrency(max_batch_size, instances) == expected
     assert SchedulingConfig(concurrency=5).instance_concurrency(max_batch_size, instances) == 5
+
+
+def test_slots_are_adaptive_unless_fixed_or_turned_off() -> None:
+    assert SchedulingConfig().adaptive()  # the default since session 31
+    assert not SchedulingConfig(concurrency=5).adaptive()
+    off = AdaptiveConcurrencyConfig(enabled=False)
+    assert not SchedulingConfig(adaptive_concurrency=off).adaptive()
+    doc = {"classes": {"a": {"rank": 0}}, "default_class": "a"}
+    assert load_scheduling(doc).adaptive()
+    assert not load_scheduling({**doc, "adaptive_concurrency": {"enabled": False}}).adaptive()
 
 
 @pytest.mark.parametrize(
