@@ -25,7 +25,8 @@ Every arm sends the same schedule to the same local Triton servers:
   :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default of session 30 (fixed
   slots derived from ``max_batch_size``); ``+slots64`` with 64 fixed slots per instance;
   ``+adaptive`` with adaptive concurrency (every default since session 31),
-  ``+adaptive+late`` also with deadline admission; ``+by_rank`` with
+  ``+adaptive+late`` also with deadline admission, ``+adaptive_fast+late`` the same with a
+  shorter window for the adaptive law (:data:`FAST_WINDOW_S`); ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
   ``+by_rank+late`` with deadline admission (``shed_late``);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
@@ -155,6 +156,11 @@ NUDGE_WAKE = {"min_quiet_ms": 6, "scan_ms": 3, "margin": 1.5, "nudge": True}
 """``routing.wake`` of the ``+nudge`` arms: quiet after 1.5 expected batch times of what the
 instance holds (never under 6 ms), looked for every 3 ms; stalled requests waited a median
 20 ms idle without it (docs/benchmarks.md, nineteenth round)."""
+
+FAST_WINDOW_S = 0.25
+"""``adaptive_concurrency.window_s`` of the ``+adaptive_fast`` arm: at the default decrease of
+0.8 per window a limit falls from 4 batches to 1 in about 1.5 s instead of 6 s, within a
+2 s real-time surge (``benchmarks/issue10/surge.yaml``)."""
 
 RING_AFTER_MS = 3.0
 """``routing.wake.ring_after_ms`` of the ``+ring`` arm: a 3 ms scan finds an instance silent
@@ -312,6 +318,17 @@ def _catalog() -> dict[str, ArmPlan]:
             "and deadline admission (shed_late)",
             classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}, "shed_late": True},
+        ),
+        ArmPlan(
+            "proxy_classes_default+adaptive_fast+late",
+            "proxy",
+            "proxy_classes_default+adaptive+late whose adaptive law judges every "
+            f"{FAST_WINDOW_S:g} s instead of every 1 s (adaptive_concurrency.window_s)",
+            classes=True,
+            scheduling={
+                "adaptive_concurrency": {"enabled": True, "window_s": FAST_WINDOW_S},
+                "shed_late": True,
+            },
         ),
         ArmPlan(
             "proxy_classes_default+by_rank",
