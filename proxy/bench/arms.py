@@ -72,7 +72,8 @@ Every arm sends the same schedule to the same local Triton servers:
   :data:`RING_AFTER_MS` of silence, not 1.5 batch times (``routing.wake.ring_after_ms``);
   it is ``policies/mixed-traffic.yaml``, and ``+ring+adaptive``, ``+ring+late`` and
   ``+ring+adaptive+late`` add adaptive concurrency (instead of its 64 fixed slots) and
-  deadline admission (``shed_late``) to it.
+  deadline admission (``shed_late``) to it; ``+ring+adaptive+late_tail`` (and
+  ``proxy_classes_default+adaptive+late_tail``) with ``late_by: tail``.
 
 Proxy arms run ``triton-proxy serve`` in a child process by default, so the proxy does not
 share the load generator's event loop and CPU time slice (HAProxy is a separate process too);
@@ -328,6 +329,18 @@ def _catalog() -> dict[str, ArmPlan]:
             scheduling={
                 "adaptive_concurrency": {"enabled": True, "window_s": FAST_WINDOW_S},
                 "shed_late": True,
+            },
+        ),
+        ArmPlan(
+            "proxy_classes_default+adaptive+late_tail",
+            "proxy",
+            "proxy_classes_default+adaptive+late whose class SLOs hold a request that waited "
+            "to a slow answer (scheduling.late_by: tail)",
+            classes=True,
+            scheduling={
+                "adaptive_concurrency": {"enabled": True},
+                "shed_late": True,
+                "late_by": "tail",
             },
         ),
         ArmPlan(
@@ -625,6 +638,12 @@ def _catalog() -> dict[str, ArmPlan]:
                 "adaptive+late",
                 "adaptive concurrency and deadline admission",
                 {**adaptive, "shed_late": True},
+            ),
+            (
+                "adaptive+late_tail",
+                "adaptive concurrency and deadline admission holding a request that waited to "
+                "a slow answer (scheduling.late_by: tail)",
+                {**adaptive, "shed_late": True, "late_by": "tail"},
             ),
         )
     ]

@@ -46,6 +46,7 @@ from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
 SlotSharing = Literal["shared", "by_rank"]
+LateBy = Literal["mean", "tail"]
 
 HASHED_KEY_PREFIX = "sha256:"
 """An ``api_keys`` entry starting with this holds the key's SHA-256 hex digest, not the key."""
@@ -338,6 +339,13 @@ class SchedulingConfig:
     issue 10's benchmark case it shed 43% of real-time requests at half the FIFO capacity
     under the rule before session 30 (docs/benchmarks.md); on in policies/mixed-traffic.yaml,
     the only configuration measured with today's rule."""
+    late_by: LateBy = "mean"
+    """With ``shed_late``, what a request that has waited is held to against its class's SLO:
+    ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that
+    mean plus two mean deviations while the estimate is fresh (the rule client deadlines
+    always have; :mod:`proxy.scheduling.lateness`). A request that has not waited is never
+    shed either way. ``tail`` is opt-in: measured only on ``surge.yaml`` (docs/benchmarks.md,
+    thirty-first round)."""
     adaptive_concurrency: AdaptiveConcurrencyConfig = field(
         default_factory=AdaptiveConcurrencyConfig
     )

@@ -401,7 +401,12 @@ class Gate:
         if entry.budget_s is None:
             return False
         return self.lateness.late(
-            waited_s, entry.class_name, entry.budget_s, hard=entry.budget_hard, now=now
+            waited_s,
+            entry.class_name,
+            entry.budget_s,
+            hard=entry.budget_hard,
+            now=now,
+            tail=self._core.config.late_by == "tail",
         )
 
     def _arm_timer(self) -> None:

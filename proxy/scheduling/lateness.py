@@ -21,7 +21,8 @@ request is shed when ``predicted > budget``. Before ``min_dispatches`` dispatche
 
 - a **class budget** (the SLO, soft) sheds a request whose wait plus ``inside(class)`` is past
   it: the issue's "queue wait plus expected service". A late answer still reaches its client,
-  so a request is not shed for the chance of a slow answer alone;
+  so a request is not shed for the chance of a slow answer alone (``scheduling.late_by:
+  tail`` holds a request that has waited to the slow answer below instead, opt-in);
 - a **client deadline** (hard: the client is gone then, and an answer after it is abandoned
   work in Triton) sheds a request that has already waited ``budget - slow(class)``. ``slow``
   is the mean plus ``spread`` mean deviations of the class's time inside Triton (Jacobson's
@@ -110,18 +111,29 @@ class LatenessPredictor:
         return predicted is not None and predicted > budget_s
 
     def late(
-        self, waited_s: float, class_name: str, budget_s: float, *, hard: bool, now: float
+        self,
+        waited_s: float,
+        class_name: str,
+        budget_s: float,
+        *,
+        hard: bool,
+        now: float,
+        tail: bool = False,
     ) -> bool:
         """Whether a request that waited ``waited_s`` would be answered after ``budget_s``
         because of that wait, while the mean time inside alone fits in the budget. For a soft
         budget (a class SLO): the wait plus the mean time inside is past it. For a hard one (a
         client deadline): there is no longer time for a slow answer, the mean plus ``spread``
         mean deviations (Jacobson's estimator, as TCP sets its retransmission timeout), while
-        the class's last answer is at most ``window_s`` old (the module's docstring)."""
+        the class's last answer is at most ``window_s`` old (the module's docstring).
+        ``tail``: a soft budget is held to the slow answer too, once the request has waited
+        (``scheduling.late_by: tail``; a request that has not waited is never shed, so a class
+        is always answered and its estimate refreshed)."""
         inside = self.inside(class_name)
         if not inside < budget_s:
             return False
-        if hard and now - self._seen_at.get(class_name, now) <= self.window_s:
+        slow = hard or (tail and waited_s > 0)
+        if slow and now - self._seen_at.get(class_name, now) <= self.window_s:
             inside += self.spread * self._deviation.get(class_name, 0.0)
         return budget_s < waited_s + inside
 

@@ -11,6 +11,7 @@ from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.gate import Gate, RecordingObserver, Shed
 from proxy.scheduling.lateness import LatenessPredictor
 from proxy.scheduling.queues import ShedReason
+from proxy.strict import ConfigError
 
 
 def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
@@ -25,7 +26,7 @@ def test_no_prediction_until_the_gate_has_dispatched_enough() -> None:
 
 
 def make_gate(
-    clock: FakeClock, capacity: int, shed_late: bool = True
+    clock: FakeClock, capacity: int, shed_late: bool = True, late_by: str = "mean"
 ) -> tuple[Gate, RecordingObserver]:
     config = load_scheduling(
         {
@@ -35,6 +36,7 @@ def make_gate(
             },
             "default_class": "rt",
             "shed_late": shed_late,
+            "late_by": late_by,
         }
     )
     observer = RecordingObserver()
@@ -241,6 +243,28 @@ def test_late_allows_for_a_slow_answer_when_times_inside_vary() -> None:
     assert noisy.late(0.06, "rt", 0.1, hard=False, now=0.0)
 
 
+def test_late_by_tail_holds_a_class_slo_to_the_slow_answer_once_a_request_waited() -> None:
+    noisy = LatenessPredictor(window_s=2.0)
+    for i in range(200):
+        noisy.observe_inside("rt", 0.02 if i % 2 else 0.08, 0.0)
+    # scheduling.late_by: tail: the wait plus a slow answer (mean + 2 deviations) must fit
+    assert noisy.late(0.04, "rt", 0.1, hard=False, now=1.0, tail=True)
+    assert not noisy.late(0.04, "rt", 0.1, hard=False, now=1.0)
+    # never a request that has not waited: the class is always answered
+    assert not noisy.late(0.0, "rt", 0.06, hard=False, now=1.0, tail=True)
+    assert noisy.late(0.0, "rt", 0.06, hard=True, now=1.0)
+    # a stale estimate (no answer for more than window_s) falls back to the mean
+    assert not noisy.late(0.04, "rt", 0.1, hard=False, now=3.0, tail=True)
+
+
+def test_late_by_is_mean_unless_the_file_says_tail() -> None:
+    doc = {"classes": {"rt": {"rank": 0, "slo_p99_ms": 100}}, "default_class": "rt"}
+    assert load_scheduling(doc).late_by == "mean"
+    assert load_scheduling({**doc, "late_by": "tail"}).late_by == "tail"
+    with pytest.raises(ConfigError):
+        load_scheduling({**doc, "late_by": "p99"})
+
+
 async def test_a_request_that_has_not_waited_is_never_late_for_its_class_slo() -> None:
     """Only waiting is blamed: with a free slot, a class whose slow answers pass its SLO while
     its mean fits is served, not shed (the rule before session 30 shed 88 % of real-time so)."""
@@ -296,4 +320,37 @@ async def test_a_stale_estimate_lets_one_request_through_to_refresh_it() -> None
     with pytest.raises(Shed):
         await gate.admit("off", deadline=clock.now() + 0.15).__aenter__()
     assert observer.sheds == [("off", ShedReason.LATE)] * 3
+    gate.close()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("late_by", "shed"), [("mean", False), ("tail", True)])
+async def test_late_by_decides_what_a_waiting_request_is_held_to(late_by: str, shed: bool) -> None:
+    """40 ms waited of rt's 100 ms SLO, answers of 20 or 80 ms (mean 50): the mean answer
+    still fits, a slow one does not."""
+    clock = FakeClock()
+    gate, _ = make_gate(clock, capacity=1, late_by=late_by)
+    assert gate.lateness is not None
+    for i in range(200):
+        gate.lateness.observe_inside("rt", 0.02 if i % 2 else 0.08, 0.0)
+    release = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(gate.admit("rt").__aenter__())
+    await asyncio.sleep(0)
+    clock.advance(0.04)
+    release.set()
+    await holder
+    if shed:
+        with pytest.raises(Shed) as info:
+            await waiting
+        assert info.value.reason is ShedReason.LATE
+    else:
+        (await waiting).release()
+    assert gate.in_flight() == 0
     gate.close()
