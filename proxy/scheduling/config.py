@@ -344,8 +344,10 @@ class SchedulingConfig:
     ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that
     mean plus two mean deviations while the estimate is fresh (the rule client deadlines
     always have; :mod:`proxy.scheduling.lateness`). A request that has not waited is never
-    shed either way. ``tail`` is opt-in: measured only on ``surge.yaml`` (docs/benchmarks.md,
-    thirty-first round)."""
+    shed either way. ``tail`` is opt-in: it cut the real-time P99 of a surge beyond the fleet
+    (``surge.yaml``) by 10-20 %, but shed real-time requests where offline bursts fill the
+    fleet (``burst.yaml`` x2) while ``mean`` shed none (docs/benchmarks.md, thirty-first
+    round)."""
     adaptive_concurrency: AdaptiveConcurrencyConfig = field(
         default_factory=AdaptiveConcurrencyConfig
     )
