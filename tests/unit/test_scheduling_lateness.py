@@ -44,6 +44,19 @@ def make_gate(
     return Gate(config, lambda: capacity, clock, observer, lateness=lateness), observer
 
 
+async def hold_the_slot(gate: Gate) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """An rt request holding the gate's only slot until the event is set."""
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with gate.admit("rt"):
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    return holder, release
+
+
 async def test_a_latency_class_is_shed_when_predicted_late_a_throughput_class_never() -> None:
     clock = FakeClock()
     gate, observer = make_gate(clock, capacity=1)
@@ -170,14 +183,7 @@ async def test_a_request_that_waited_past_its_budget_is_not_dispatched(
     gate, _ = make_gate(clock, capacity=1)
     assert gate.lateness is not None
     gate.lateness.observe_inside(klass, 0.03, 0.0)
-    release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.admit("rt"):
-            await release.wait()
-
-    holder = asyncio.create_task(first())
-    await asyncio.sleep(0)
+    holder, release = await hold_the_slot(gate)
     deadline = None if client_deadline_s is None else clock.now() + client_deadline_s
     late = asyncio.create_task(gate.admit(klass, deadline=deadline).__aenter__())
     free = asyncio.create_task(gate.admit("off").__aenter__())  # no budget: never late
@@ -202,14 +208,7 @@ async def test_without_shed_late_only_a_client_deadline_is_held_at_the_head() ->
     clock = FakeClock()
     gate, observer = make_gate(clock, capacity=1, shed_late=False)
     _busy(gate, clock, inside_s=0.03)
-    release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.admit("rt"):
-            await release.wait()
-
-    holder = asyncio.create_task(first())
-    await asyncio.sleep(0)
+    holder, release = await hold_the_slot(gate)
     # Queued, not shed at arrival, whatever is predicted.
     doomed = asyncio.create_task(gate.admit("rt", deadline=clock.now() + 0.1).__aenter__())
     slow = asyncio.create_task(gate.admit("rt").__aenter__())  # only its class SLO: 100 ms
@@ -333,14 +332,7 @@ async def test_late_by_decides_what_a_waiting_request_is_held_to(late_by: str, s
     assert gate.lateness is not None
     for i in range(200):
         gate.lateness.observe_inside("rt", 0.02 if i % 2 else 0.08, 0.0)
-    release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.admit("rt"):
-            await release.wait()
-
-    holder = asyncio.create_task(first())
-    await asyncio.sleep(0)
+    holder, release = await hold_the_slot(gate)
     waiting = asyncio.create_task(gate.admit("rt").__aenter__())
     await asyncio.sleep(0)
     clock.advance(0.04)
