@@ -213,7 +213,10 @@ def test_the_doorbell_rings_only_with_an_expired_copy(
         t, got, release = held_request(proxy, fakes, 1.0)
         if expired:
             assert got == [200], "the doorbell did not release the stalled request"
-            assert nudges(proxy) == 1
+            # At least once: it rings again, legitimately, when the held request's answer
+            # comes more than ring_after_ms after the expired copy's (seen once in CI on a
+            # loaded 2-core machine: 2 rings).
+            assert nudges(proxy) >= 1
             return
         assert t.is_alive() and not got, "released without an expired copy to send"
         assert nudges(proxy) == 0
