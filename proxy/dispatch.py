@@ -485,6 +485,7 @@ class Dispatcher:
                 "class_queued": backlog,
                 "batch": max(1, batch),
                 "occupancy": self.fleet.occupancy.get(call.model),
+                "free_of_long": self.fleet.long_free.get(call.model),
                 "rows": call.rows,
                 "batcher": self._batcher(call.model, r.info),
                 "now": self.fleet.clock.now(),

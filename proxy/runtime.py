@@ -37,7 +37,7 @@ from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
-from proxy.routing.occupancy import busy_shares
+from proxy.routing.occupancy import busy_shares, long_free
 from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -310,7 +310,8 @@ class Runtime:
             task.add_done_callback(self._nudging.discard)
 
     async def _measure_occupancy(self) -> None:
-        """Every ``SAMPLE_S``: the fleet's busy share per model (proxy.routing.occupancy)."""
+        """Every ``SAMPLE_S``: the fleet's busy share per model, and its instances free of
+        long work (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
             fleet, gates = self.fleet, self.gates
@@ -319,6 +320,7 @@ class Runtime:
                 self.clock.now(),
                 gates.saturated() if gates is not None else (),
             )
+            fleet.long_free = long_free(fleet.instances.values())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
         self._decided_in(MAIN, model, policy, instance, seconds)

@@ -111,6 +111,10 @@ class RouteRequest:
     occupancy: float = 1.0
     """Smoothed share of the model's instances with work in flight, 0..1
     (``proxy.routing.occupancy``); 1.0 when not measured."""
+    free_of_long: int | None = None
+    """Instances serving the model with none of its long work in flight, as of the last scan
+    (``proxy.routing.occupancy.long_free``); None when no long work is in flight or not
+    measured (``ExpectedStartParams.short_reserve``)."""
     rows: int = 1
     """Rows of the request (``cost / rows``: the length its batch is padded to)."""
     batcher: BatcherModel | None = None

@@ -56,6 +56,15 @@ class ExpectedFinishParams:
     """With ``pack_above``: when a class with ``max_per_instance`` is packed
     (``ExpectedStartParams.pack_capped``)."""
 
+    lane_depth: int | None = None
+    """With ``pack_above``: long requests of an uncapped class an instance of the lane holds
+    before another instance is opened to them (``ExpectedStartParams.lane_depth``; default
+    ``2 x max_batch_size``)."""
+
+    short_reserve: int = 0
+    """With ``pack_above``: the lane never opens the last this-many instances free of long
+    work to an uncapped class's long requests (``ExpectedStartParams.short_reserve``)."""
+
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
             raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
@@ -134,6 +143,8 @@ class ExpectedFinish:
                     long_placement="pack",
                     pack_above=pack_above,
                     pack_capped=params.pack_capped,
+                    lane_depth=params.lane_depth,
+                    short_reserve=params.short_reserve,
                 ),
                 rng,
             )

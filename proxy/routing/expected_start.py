@@ -115,7 +115,22 @@ class ExpectedStartParams:
     512-token rows still wait behind the lane's offline batches or run in a padded batch.
     Opt-in."""
 
+    short_reserve: int = 0
+    """``pack``: a long request of a class without ``max_per_instance`` does not open an
+    instance free of long work (``long_in_flight`` 0) while at most this many of the model's
+    instances are free of it (``RouteRequest.free_of_long``, sampled every 0.1 s): it joins
+    the lane instead, past ``lane_depth`` if need be. Why: a lane that overflows opens the
+    last instances running short batches only; the long rows pad them, every batch on the
+    fleet becomes a padded one, the fleet serves no more than its FIFO capacity, and under
+    overload the queues inside Triton never drain again (measured: an online burst at
+    ``benchmarks/issue10/online_burst.yaml`` x2, every instance's batches 16 rows padded to
+    512 tokens for the rest of the run, offline at the lowest priority starved; docs/
+    benchmarks.md, issue 10, thirty-second round). The overflow waits in the lane's queue
+    instead, where deadline admission sheds what would be late. 0 (the default): off."""
+
     def __post_init__(self) -> None:
+        if self.short_reserve < 0:
+            raise ValueError(f"short_reserve must be >= 0, got {self.short_reserve}")
         if self.quiet_depth < 0:
             raise ValueError(f"quiet_depth must be >= 0, got {self.quiet_depth}")
         if self.idle_reserve < 0:
@@ -140,7 +155,7 @@ class ExpectedStart:
                                  + long_weight * min(long_in_flight, 2)) / weight
         long, spread:   score = (long_weight * (long_in_flight + [spread_alone and above > 0])
                                  + (model_in_flight + 1) / B) / weight
-        long, pack:     key = (full, where, -class_in_flight, -long_in_flight,
+        long, pack:     key = (opens, full, where, -class_in_flight, ±long_in_flight,
                                short_in_flight, model_in_flight, 1 / weight)
 
     (lexicographic; ``short_in_flight = model_in_flight - long_in_flight``; with
@@ -148,11 +163,15 @@ class ExpectedStart:
     least that, and scored as ``spread`` below it). ``pack`` fills
     the instance that already runs long work (for a class with ``max_per_instance``: that
     class's work first) until it is ``full``, before it opens another, and opens the one with
-    the fewest short requests, whose batches it would pad. ``full``: the class holds its
+    the fewest short requests, whose batches it would pad; where every instance it may use
+    is full, the one with the least long work takes the overflow (``±long_in_flight``:
+    minus while not full, plus once full). ``full``: the class holds its
     ``max_per_instance`` there (placement drops such instances before the policy sees them,
     and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
-    capped class. ``where`` ranks, for a long request of an uncapped class (``long_to_idle``),
+    capped class. ``opens`` (``short_reserve``): 1 for an instance free of long work while a
+    request of an uncapped class may not open one (at most ``short_reserve`` are free), else
+    0. ``where`` ranks, for a long request of an uncapped class (``long_to_idle``),
     an instance with nothing of the model in flight 0 (while ``idle_reserve`` allows it), a
     quiet one 1 (``quiet_depth``: no long work, fewer than ``quiet_depth`` in flight, and with
     ``quiet_alone`` nothing of a more important level) and any other 2; for every other long
@@ -209,6 +228,19 @@ class ExpectedStart:
             )
         )
 
+    def holds_short(self, request: RouteRequest) -> bool:
+        """Whether ``request``, packed long work of an uncapped class, must keep off the
+        instances free of long work (``short_reserve``)."""
+        reserve = self.params.short_reserve
+        free = request.free_of_long
+        return (
+            reserve > 0
+            and request.class_cap is None
+            and free is not None
+            and free <= reserve
+            and self.packs(request)
+        )
+
     def to_idle(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""
         return self.packs(request) and self.params.long_to_idle and not request.class_cap
@@ -225,6 +257,7 @@ class ExpectedStart:
         if self.packs(request):
             cap = request.class_cap
             depth = self.params.lane_depth or 2 * batch
+            held = self.holds_short(request)
             eligible = self.to_idle(request)
             to_idle = to_idle and eligible
             quiet = self.params.quiet_depth if eligible else 0
@@ -240,10 +273,12 @@ class ExpectedStart:
             def key(c: Candidate) -> tuple[float, ...]:
                 full = c.class_in_flight >= cap if cap else c.long_in_flight >= depth
                 return (
+                    float(held and not c.long_in_flight),
                     float(full),
                     where(c),
                     -float(c.class_in_flight if cap else 0),
-                    -float(c.long_in_flight),
+                    # fill the fullest lane instance; past the depth, even out the overflow
+                    float(c.long_in_flight if full else -c.long_in_flight),
                     float(c.model_in_flight - c.long_in_flight),
                     float(c.model_in_flight),
                     1.0 / weight_of(c),
@@ -275,7 +310,8 @@ class ExpectedStart:
         reserve = self.params.idle_reserve
         if reserve and self.to_idle(request):
             keys = {c.name: key(c) for c in candidates}  # each key once, not twice
-            if sum(1 for k in keys.values() if k[:2] == (0.0, 0.0)) <= reserve:
+            # key = (opens, full, where, ...): idle and free to open is (0, 0, 0)
+            if sum(1 for k in keys.values() if k[:3] == (0.0, 0.0, 0.0)) <= reserve:
                 return pick_min(candidates, self.key(request, to_idle=False), self._rng)
             return pick_min(candidates, lambda c: keys[c.name], self._rng)
         return pick_min(candidates, key, self._rng)
@@ -291,6 +327,7 @@ class ExpectedStart:
             request.long,
             max(1, request.batch),
             self.packs(request),
+            self.holds_short(request),
         )
         ordering = view.ordering(tag, self.key(request))
         reserve = self.params.idle_reserve
@@ -298,8 +335,8 @@ class ExpectedStart:
             items = ordering.items
             first = items[0] if items else None
             spare = items[reserve] if len(items) > reserve else None
-            # entry = (filter level, full, busy, ..., position, member)
-            if first is None or spare is None or spare[:3] != (first[0], 0.0, 0.0):
+            # entry = (filter level, opens, full, where, ..., position, member)
+            if first is None or spare is None or spare[:4] != (first[0], 0.0, 0.0, 0.0):
                 tag = (*tag, "no_idle")
                 ordering = view.ordering(tag, self.key(request, to_idle=False))
         return ordering.pick_min(self._rng)

@@ -65,6 +65,22 @@ def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
     return {model: n / sum(1 for i in pool if i.serves(model)) for model, n in busy.items()}
 
 
+def long_free(instances: Iterable[Instance]) -> dict[str, int]:
+    """model -> how many of the instances serving it have none of its long work in flight
+    (``Instance.long_in_flight``), for every model with long work in flight somewhere: what
+    ``ExpectedStartParams.short_reserve`` reads (``RouteRequest.free_of_long``). Sampled with
+    the busy shares, never on the request path."""
+    pool = list(instances)
+    out: dict[str, int] = {}
+    for inst in pool:
+        for model, n in inst.long_in_flight.items():
+            if n > 0 and inst.serves(model) and model not in out:
+                out[model] = sum(
+                    1 for i in pool if i.serves(model) and not i.long_in_flight.get(model)
+                )
+    return out
+
+
 class Occupancy:
     """The smoothed busy share per model (module doc). ``sample`` folds in one scan's
     shares; a model missing from a scan counts as 0 there (nothing in flight), and one that

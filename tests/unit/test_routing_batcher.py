@@ -173,6 +173,55 @@ def test_pack_above_packs_long_work_into_a_lane_under_load() -> None:
         build_policy("expected_finish", {"pack_above": 1.5}, random.Random(0))
 
 
+def test_pack_above_lane_depth_is_the_long_work_a_lane_instance_holds() -> None:
+    # An online 512-token row under load: the lane instance a holds 3 long rows. With the
+    # default depth (2 x max_batch_size = 32) or 4 it joins a; at depth 3 a is full and it
+    # opens another instance (the one with the fewest short rows it would pad: c).
+    row = (NOW - 0.001, work(2, 512))
+    a = replace(candidate("a", [row] * 3, NOW - 0.01), long_in_flight=3)
+    b = candidate("b", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    c = candidate("c", [], NOW - 0.01)
+    online_long = replace(request(Job(2, 1, 512.0)), long=True, occupancy=0.95, batch=16)
+
+    def lane(**params: object) -> str:
+        policy = build_policy("expected_finish", {"pack_above": 0.9, **params}, random.Random(0))
+        return policy.choose([a, b, c], online_long).name
+
+    assert lane() == lane(lane_depth=4) == "a"
+    assert lane(lane_depth=3) == "c"
+    with pytest.raises(ValueError, match="lane_depth"):
+        build_policy("expected_finish", {"pack_above": 0.9, "lane_depth": 0}, random.Random(0))
+
+
+def test_short_reserve_keeps_the_last_short_instance_free_of_long_work() -> None:
+    # The lane (a, b) is full at the default depth; c runs short batches only. Without a
+    # reserve the next long row opens c (its batches would all be padded to 512 tokens); with
+    # short_reserve 1 and c the only instance free of long work, it joins the lane past its
+    # depth (the one with fewer long rows: b). Two instances free of long work: c may open.
+    row = (NOW - 0.001, work(2, 512))
+    a = replace(candidate("a", [row] * 33, NOW - 0.01), long_in_flight=33)
+    b = replace(candidate("b", [row] * 32, NOW - 0.01), long_in_flight=32)
+    c = candidate("c", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    online_long = replace(
+        request(Job(2, 1, 512.0)), long=True, occupancy=0.95, batch=16, free_of_long=1
+    )
+    plain = build_policy("expected_finish", {"pack_above": 0.9}, random.Random(0))
+    held = build_policy(
+        "expected_finish", {"pack_above": 0.9, "short_reserve": 1}, random.Random(0)
+    )
+    assert plain.choose([a, b, c], online_long).name == "c"
+    assert held.choose([a, b, c], online_long).name == "b"
+    assert held.choose([a, b, c], replace(online_long, free_of_long=2)).name == "c"
+    assert held.choose([a, b, c], replace(online_long, free_of_long=None)).name == "c"
+    # below pack_above nothing is packed, so nothing is held either
+    assert held.choose([a, b, c], replace(online_long, occupancy=0.5)).name != "b"
+    # a capped class's lane is its gate's business (max_per_instance, spare_instances)
+    capped = replace(online_long, class_cap=64, class_name="offline")
+    assert held.choose([a, b, c], capped).name == plain.choose([a, b, c], capped).name
+    with pytest.raises(ValueError, match="short_reserve"):
+        build_policy("expected_finish", {"pack_above": 0.9, "short_reserve": -1}, random.Random(0))
+
+
 def test_pack_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
     offline = (NOW - 0.001, work(3, 512, rows=4))
     a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from proxy.fleet.instances import Instance, InstanceSpec, ModelOut
-from proxy.routing.occupancy import Occupancy, busy_shares
+from proxy.routing.occupancy import Occupancy, busy_shares, long_free
 
 
 def _inst(name: str, **in_flight: int) -> Instance:
@@ -23,6 +23,18 @@ def test_busy_share_counts_the_instances_serving_the_model_that_hold_some_of_it(
     c.models_out["m"] = ModelOut("not ready", 0.0, 1.0)  # c does not serve m now
     assert busy_shares([a, b, c, d])["m"] == 1.0
     assert busy_shares([_inst("x"), _inst("y")]) == {}
+
+
+def test_long_free_counts_the_instances_serving_the_model_without_its_long_work() -> None:
+    a, b, c, d = _inst("a", m=3, n=1), _inst("b", m=1), _inst("c"), _inst("d", m=2)
+    a.long_in_flight.update(m=2)
+    d.long_in_flight.update(m=1)
+    d.healthy = False  # out of rotation: not counted either way
+    assert long_free([a, b, c, d]) == {"m": 2}  # b and c; n has no long work anywhere
+    b.long_in_flight.update(m=1, n=1)
+    assert long_free([a, b, c, d]) == {"m": 1, "n": 2}
+    c.models_out["m"] = ModelOut("not ready", 0.0, 1.0)
+    assert long_free([a, b, c, d])["m"] == 0
 
 
 def test_occupancy_follows_a_step_with_its_time_constant_and_forgets_idle_models() -> None:

@@ -149,6 +149,7 @@ class World:
             class_queued=rng.choice((0, 0, 3)),
             batch=rng.choice((1, 4)),
             occupancy=rng.random(),
+            free_of_long=rng.choice((None, 0, 1, 2)),
             rows=1,
             cost=float(rng.choice((8, 512))),
             # The replay of expected_finish, or (None) its fallback before a curve is learned.
@@ -300,17 +301,19 @@ def test_slots_counted_by_level_keep_a_full_instance_open_to_more_important_work
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("lane_depth", [None, 1, 2])
 @pytest.mark.parametrize(
-    ("to_idle", "idle_reserve", "quiet_depth", "quiet_alone", "pack_above"),
+    ("to_idle", "idle_reserve", "quiet_depth", "quiet_alone", "pack_above", "short_reserve"),
     [
-        (False, 0, 0, False, None),
-        (True, 0, 0, False, None),
-        (True, 1, 0, False, None),
-        (True, 3, 0, False, None),
-        (True, 1, 3, False, None),
-        (True, 1, 3, True, None),
-        (False, 0, 3, False, None),
-        (True, 1, 0, False, 0.5),  # requests' occupancy is random: both placements
-        (True, 1, 0, True, 0.5),  # quiet_alone stands for spread_alone here too
+        (False, 0, 0, False, None, 0),
+        (True, 0, 0, False, None, 0),
+        (True, 1, 0, False, None, 0),
+        (True, 3, 0, False, None, 0),
+        (True, 1, 3, False, None, 0),
+        (True, 1, 3, True, None, 0),
+        (False, 0, 3, False, None, 0),
+        (True, 1, 0, False, 0.5, 0),  # requests' occupancy is random: both placements
+        (True, 1, 0, True, 0.5, 0),  # quiet_alone stands for spread_alone here too
+        (False, 0, 0, False, 0.5, 1),  # requests' free_of_long is random too
+        (True, 1, 0, False, None, 2),
     ],
 )
 def test_expected_start_packing_a_lane_decides_as_the_linear_path(
@@ -321,8 +324,10 @@ def test_expected_start_packing_a_lane_decides_as_the_linear_path(
     quiet_depth: int,
     quiet_alone: bool,
     pack_above: float | None,
+    short_reserve: int,
 ) -> None:
     params: dict[str, Any] = {
+        "short_reserve": short_reserve,
         "long_placement": "pack",
         "lane_depth": lane_depth,
         "long_to_idle": to_idle,
