@@ -163,9 +163,10 @@ class ExpectedStart:
     least that, and scored as ``spread`` below it). ``pack`` fills
     the instance that already runs long work (for a class with ``max_per_instance``: that
     class's work first) until it is ``full``, before it opens another, and opens the one with
-    the fewest short requests, whose batches it would pad; where every instance it may use
-    is full, the one with the least long work takes the overflow (``±long_in_flight``:
-    minus while not full, plus once full). ``full``: the class holds its
+    the fewest short requests, whose batches it would pad; held off the instances free of
+    long work (``short_reserve``) with every lane instance full, the one with the least long
+    work takes the overflow (``±long_in_flight``: plus then, minus otherwise). ``full``: the
+    class holds its
     ``max_per_instance`` there (placement drops such instances before the policy sees them,
     and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
@@ -277,8 +278,8 @@ class ExpectedStart:
                     float(full),
                     where(c),
                     -float(c.class_in_flight if cap else 0),
-                    # fill the fullest lane instance; past the depth, even out the overflow
-                    float(c.long_in_flight if full else -c.long_in_flight),
+                    # fill the fullest lane instance; held past the depth, even out the overflow
+                    float(c.long_in_flight if full and held else -c.long_in_flight),
                     float(c.model_in_flight - c.long_in_flight),
                     float(c.model_in_flight),
                     1.0 / weight_of(c),
