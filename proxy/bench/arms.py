@@ -93,7 +93,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -107,6 +107,7 @@ from proxy.bench.results import PROXY_COPIES, PROXY_RSS
 from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.local.fleet import log_tail
+from proxy.routing.config import CLASS_POLICY, CLASS_WAKE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,6 +174,9 @@ UNCAPPED_LANE_DEPTHS = (2, 4)
 ``max_batch_size`` (32 long requests), never opens a second instance for online's long rows at
 x0.5 in ``long_share.yaml``; there they queue behind each other and the offline batches."""
 
+SHIPPED_LANE_DEPTHS = (64,)
+"""``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
+
 LANE_CONCURRENCY = 64
 """Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
 serves all the short work while the lane runs long work; with 2 x ``max_batch_size`` (32)
@@ -204,6 +208,9 @@ class ArmPlan:
     lowest_shallow_per_instance: int | None = None
     """``shallow_per_instance`` of the lowest-ranked class (its lane's depth while it keeps
     up)."""
+    lowest_shares_level: bool = False
+    """The lowest-ranked class is sent at the Triton priority of the class ranked just above
+    it (Triton serves the two in arrival order) instead of its own lower one."""
     policy_params: Mapping[str, Any] | None = None
     """The routing policy's parameters (none: its defaults)."""
     routing: Mapping[str, Any] | None = None
@@ -309,6 +316,30 @@ def _catalog() -> dict[str, ArmPlan]:
             "proxy",
             "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
             "(every default since session 31)",
+            classes=True,
+            scheduling={"adaptive_concurrency": {"enabled": True}},
+        ),
+        ArmPlan(
+            f"proxy_classes_default+adaptive+depth{SHIPPED_LANE_DEPTHS[0]}",
+            "proxy",
+            "proxy_classes_default+adaptive whose long lane holds "
+            f"{SHIPPED_LANE_DEPTHS[0]} long requests per instance before it opens another "
+            "instance to them (the default routing with expected_finish's lane_depth set)",
+            policy=CLASS_POLICY.name,
+            policy_params={**CLASS_POLICY.params, "lane_depth": SHIPPED_LANE_DEPTHS[0]},
+            routing={"wake": asdict(CLASS_WAKE)},
+            classes=True,
+            scheduling={"adaptive_concurrency": {"enabled": True}},
+        ),
+        ArmPlan(
+            "proxy_classes_default+adaptive+reserve",
+            "proxy",
+            "proxy_classes_default+adaptive whose long lane never opens the last instance free "
+            "of long work to online's long requests (the default routing with "
+            "expected_finish's short_reserve: 1)",
+            policy=CLASS_POLICY.name,
+            policy_params={**CLASS_POLICY.params, "short_reserve": 1},
+            routing={"wake": asdict(CLASS_WAKE)},
             classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
@@ -647,6 +678,38 @@ def _catalog() -> dict[str, ArmPlan]:
             ),
         )
     ]
+    shipped = next(p for p in on_ring if p.name.endswith("+adaptive+late"))
+    on_ring.append(
+        replace(
+            shipped,
+            name=f"{shipped.name}+shared_level",
+            description=f"{shipped.name} whose throughput class (offline) is sent at the Triton "
+            "priority of the class above it, so Triton serves the two in arrival order: the "
+            "lane's cap, not Triton's priority, keeps it from delaying online",
+            lowest_shares_level=True,
+        )
+    )
+    on_ring.append(
+        _vary(
+            shipped,
+            f"{shipped.name}+reserve",
+            f"{shipped.name} whose long lane never opens the last instance free of long work "
+            "to online's long requests (expected_finish's short_reserve: 1)",
+            short_reserve=1,
+        )
+    )
+    on_ring += [
+        _vary(
+            plan,
+            f"{plan.name}+depth{depth}",
+            f"{plan.name} whose long lane holds {depth} of online's long requests per instance "
+            "before it opens another instance to them (expected_finish's lane_depth; "
+            "default 2 x max_batch_size)",
+            lane_depth=depth,
+        )
+        for plan in (shipped, on_ring[-2])
+        for depth in SHIPPED_LANE_DEPTHS
+    ]
     at = plans.index(delays) + 3
     plans[at:at] = [lane, *packed, *capped, expired, ring, *on_ring]
     at = plans.index(shallow) + 1
@@ -814,6 +877,10 @@ def proxy_policy(
             if plan.lowest_shallow_per_instance is not None:
                 shallow = plan.lowest_shallow_per_instance
                 section["classes"][lowest]["shallow_per_instance"] = shallow
+        if plan.lowest_shares_level:
+            classes = section["classes"]
+            lowest, above = sorted(classes, key=lambda n: classes[n]["rank"])[-1:-3:-1]
+            classes[lowest]["triton_priority"] = classes[above]["triton_priority"]
         # Adaptive concurrency is the default since session 31; the arms measured before then
         # keep the fixed slots derived from max_batch_size (2 x 16 = 32 per instance) unless
         # they name it (``+adaptive``) or a fixed ``concurrency``, so a name means one thing.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -511,6 +512,23 @@ def test_long_lane_policy():
     off = shallow.scheduling.classes["offline"]
     assert (off.max_per_instance, off.shallow_per_instance) == (LANE_DEPTH, SHALLOW_DEPTH)
     assert SHALLOW_DEPTH < LANE_DEPTH
+
+
+def test_shared_level_arm_sends_offline_at_onlines_priority():
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "long_share.yaml")
+    shipped = "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late"
+    base = config_mod.parse(proxy_policy(SERVERS, CATALOG[shipped], sc), "<t>")
+    shared = config_mod.parse(proxy_policy(SERVERS, CATALOG[shipped + "+shared_level"], sc), "<t>")
+    assert base.scheduling is not None and shared.scheduling is not None
+    levels = {n: c.triton_priority for n, c in shared.scheduling.classes.items()}
+    assert levels == {"realtime": 1, "online": 2, "offline": 2}
+    assert base.scheduling.classes["offline"].triton_priority == 3
+    # nothing else differs from the shipped arm
+    assert (
+        replace(shared.scheduling.classes["offline"], triton_priority=3)
+        == (base.scheduling.classes["offline"])
+    )
+    assert shared.routing == base.routing
 
 
 def test_estimates():
