@@ -698,6 +698,15 @@ def _catalog() -> dict[str, ArmPlan]:
             short_reserve=1,
         )
     )
+    on_ring.append(
+        _vary(
+            on_ring[-1],
+            f"{on_ring[-1].name}+depth{SHIPPED_LANE_DEPTHS[0]}",
+            f"{on_ring[-1].name} whose lane holds {SHIPPED_LANE_DEPTHS[0]} long requests per "
+            "instance before it opens another (lane_depth)",
+            lane_depth=SHIPPED_LANE_DEPTHS[0],
+        )
+    )
     on_ring += [
         _vary(
             plan,
@@ -707,7 +716,7 @@ def _catalog() -> dict[str, ArmPlan]:
             "default 2 x max_batch_size)",
             lane_depth=depth,
         )
-        for plan in (shipped, on_ring[-2])
+        for plan in (shipped, on_ring[-3])
         for depth in SHIPPED_LANE_DEPTHS
     ]
     at = plans.index(delays) + 3
