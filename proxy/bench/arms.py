@@ -319,29 +319,31 @@ def _catalog() -> dict[str, ArmPlan]:
             classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
-        ArmPlan(
-            f"proxy_classes_default+adaptive+depth{SHIPPED_LANE_DEPTHS[0]}",
-            "proxy",
-            "proxy_classes_default+adaptive whose long lane holds "
-            f"{SHIPPED_LANE_DEPTHS[0]} long requests per instance before it opens another "
-            "instance to them (the default routing with expected_finish's lane_depth set)",
-            policy=CLASS_POLICY.name,
-            policy_params={**CLASS_POLICY.params, "lane_depth": SHIPPED_LANE_DEPTHS[0]},
-            routing={"wake": asdict(CLASS_WAKE)},
-            classes=True,
-            scheduling={"adaptive_concurrency": {"enabled": True}},
-        ),
-        ArmPlan(
-            "proxy_classes_default+adaptive+reserve",
-            "proxy",
-            "proxy_classes_default+adaptive whose long lane never opens the last instance free "
-            "of long work to online's long requests (the default routing with "
-            "expected_finish's short_reserve: 1)",
-            policy=CLASS_POLICY.name,
-            policy_params={**CLASS_POLICY.params, "short_reserve": 1},
-            routing={"wake": asdict(CLASS_WAKE)},
-            classes=True,
-            scheduling={"adaptive_concurrency": {"enabled": True}},
+        *(
+            ArmPlan(
+                f"proxy_classes_default+adaptive+{suffix}",
+                "proxy",
+                f"proxy_classes_default+adaptive whose long lane {what} (the default routing "
+                f"with expected_finish's {', '.join(f'{k}: {v}' for k, v in params.items())})",
+                policy=CLASS_POLICY.name,
+                policy_params={**CLASS_POLICY.params, **params},
+                routing={"wake": asdict(CLASS_WAKE)},
+                classes=True,
+                scheduling={"adaptive_concurrency": {"enabled": True}},
+            )
+            for suffix, what, params in (
+                (
+                    f"depth{SHIPPED_LANE_DEPTHS[0]}",
+                    f"holds {SHIPPED_LANE_DEPTHS[0]} long requests per instance before it "
+                    "opens another instance to them",
+                    {"lane_depth": SHIPPED_LANE_DEPTHS[0]},
+                ),
+                (
+                    "reserve",
+                    "never opens the last instance free of long work to online's long requests",
+                    {"short_reserve": 1},
+                ),
+            )
         ),
         ArmPlan(
             "proxy_classes_default+adaptive+late",

@@ -531,6 +531,25 @@ def test_shared_level_arm_sends_offline_at_onlines_priority():
     assert shared.routing == base.routing
 
 
+@pytest.mark.parametrize(
+    ("suffix", "param"), [("+depth64", {"lane_depth": 64}), ("+reserve", {"short_reserve": 1})]
+)
+def test_class_default_lane_variants_differ_from_the_default_in_one_parameter(
+    suffix: str, param: dict[str, int]
+) -> None:
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "online_burst.yaml")
+    base = config_mod.parse(
+        proxy_policy(SERVERS, CATALOG["proxy_classes_default+adaptive"], sc), "<t>"
+    )
+    variant = config_mod.parse(
+        proxy_policy(SERVERS, CATALOG["proxy_classes_default+adaptive" + suffix], sc), "<t>"
+    )
+    assert variant.scheduling == base.scheduling
+    assert variant.routing.wake == base.routing.wake
+    assert dict(variant.routing.policy.params) == {**base.routing.policy.params, **param}
+    assert variant.routing.policy.name == base.routing.policy.name
+
+
 def test_estimates():
     sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
     light = bench_cli.estimate_sweep_seconds(sc, arms=6, scales=[0.5], rho=1.0)
