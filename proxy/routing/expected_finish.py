@@ -59,11 +59,16 @@ class ExpectedFinishParams:
     lane_depth: int | None = None
     """With ``pack_above``: long requests of an uncapped class an instance of the lane holds
     before another instance is opened to them (``ExpectedStartParams.lane_depth``; default
-    ``2 x max_batch_size``)."""
+    ``2 x max_batch_size``). Measured (docs/benchmarks.md, issue 10, thirty-second round, 2
+    repetitions): 64 kept an online burst at ``online_burst.yaml`` x2 from overflowing the
+    lane into every instance (real-time 88-97 % within its SLO against 44-86 %), but raised
+    real-time's P99 at ``burst.yaml`` x2 (178-215 against 128-133 ms); not a default yet."""
 
     short_reserve: int = 0
     """With ``pack_above``: the lane never opens the last this-many instances free of long
-    work to an uncapped class's long requests (``ExpectedStartParams.short_reserve``)."""
+    work to an uncapped class's long requests (``ExpectedStartParams.short_reserve``).
+    Measured at ``online_burst.yaml`` x2 (thirty-second round): helps (real-time 44 % -> 65 %
+    within its SLO) less than ``lane_depth: 64``, and nothing on top of it. Opt-in."""
 
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
