@@ -108,7 +108,8 @@ class ExpectedFinish:
 
     Reads ``flights``, ``answered_at``, ``model_in_flight``, ``weight`` and the request's
     ``batcher``, ``level``, ``rows``, ``cost`` and ``now`` (with ``pack_above`` also
-    ``long``, ``occupancy``, ``class_cap``, ``class_in_flight`` and ``long_in_flight``).
+    ``long``, ``occupancy``, ``class_cap``, ``class_in_flight`` and ``long_in_flight``; with
+    ``short_reserve`` the request's ``free_of_long``).
 
     Measured (docs/benchmarks.md, issue 10, twenty-first round): with classes and the
     nudge it beats the best baseline below capacity in ``long_share.yaml`` and ``case.yaml``

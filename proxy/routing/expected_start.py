@@ -196,7 +196,8 @@ class ExpectedStart:
     important requests off instances running long work, is what pays.
 
     Reads ``ahead`` (falls back to ``model_in_flight``), ``above`` (``quiet_alone``),
-    ``long_in_flight``, ``weight`` and the request's ``long`` and ``batch``.
+    ``long_in_flight``, ``weight`` and the request's ``long`` and ``batch`` (with
+    ``short_reserve`` also its ``free_of_long``).
 
     Source: the "shortest expected delay" rule of queueing theory (Whitt, *Deciding which queue
     to join*, 1986) applied to priority batch servers; the long-work separation follows the
