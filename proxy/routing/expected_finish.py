@@ -61,8 +61,9 @@ class ExpectedFinishParams:
     before another instance is opened to them (``ExpectedStartParams.lane_depth``; default
     ``2 x max_batch_size``). Measured (docs/benchmarks.md, issue 10, thirty-second round, 2
     repetitions): 64 kept an online burst at ``online_burst.yaml`` x2 from overflowing the
-    lane into every instance (real-time 88-97 % within its SLO against 44-86 %), but raised
-    real-time's P99 at ``burst.yaml`` x2 (178-215 against 128-133 ms); not a default yet."""
+    lane into every instance (real-time 88-97 % within its SLO against 44-86 %); a first run
+    showed a higher real-time P99 at ``burst.yaml`` x2 (178-215 against 128-133 ms) that a
+    repeat with 3 repetitions did not; not a default until x1.5 and a healthy x2 are run."""
 
     short_reserve: int = 0
     """With ``pack_above``: the lane never opens the last this-many instances free of long
