@@ -681,34 +681,22 @@ def _catalog() -> dict[str, ArmPlan]:
         )
     ]
     shipped = next(p for p in on_ring if p.name.endswith("+adaptive+late"))
-    on_ring.append(
-        replace(
-            shipped,
-            name=f"{shipped.name}+shared_level",
-            description=f"{shipped.name} whose throughput class (offline) is sent at the Triton "
-            "priority of the class above it, so Triton serves the two in arrival order: the "
-            "lane's cap, not Triton's priority, keeps it from delaying online",
-            lowest_shares_level=True,
-        )
+    shared = replace(
+        shipped,
+        name=f"{shipped.name}+shared_level",
+        description=f"{shipped.name} whose throughput class (offline) is sent at the Triton "
+        "priority of the class above it, so Triton serves the two in arrival order: the "
+        "lane's cap, not Triton's priority, keeps it from delaying online",
+        lowest_shares_level=True,
     )
-    on_ring.append(
-        _vary(
-            shipped,
-            f"{shipped.name}+reserve",
-            f"{shipped.name} whose long lane never opens the last instance free of long work "
-            "to online's long requests (expected_finish's short_reserve: 1)",
-            short_reserve=1,
-        )
+    reserve = _vary(
+        shipped,
+        f"{shipped.name}+reserve",
+        f"{shipped.name} whose long lane never opens the last instance free of long work "
+        "to online's long requests (expected_finish's short_reserve: 1)",
+        short_reserve=1,
     )
-    on_ring.append(
-        _vary(
-            on_ring[-1],
-            f"{on_ring[-1].name}+depth{SHIPPED_LANE_DEPTHS[0]}",
-            f"{on_ring[-1].name} whose lane holds {SHIPPED_LANE_DEPTHS[0]} long requests per "
-            "instance before it opens another (lane_depth)",
-            lane_depth=SHIPPED_LANE_DEPTHS[0],
-        )
-    )
+    on_ring += [shared, reserve]
     on_ring += [
         _vary(
             plan,
@@ -718,7 +706,7 @@ def _catalog() -> dict[str, ArmPlan]:
             "default 2 x max_batch_size)",
             lane_depth=depth,
         )
-        for plan in (shipped, on_ring[-3])
+        for plan in (shipped, reserve, shared)
         for depth in SHIPPED_LANE_DEPTHS
     ]
     at = plans.index(delays) + 3
@@ -890,7 +878,7 @@ def proxy_policy(
                 section["classes"][lowest]["shallow_per_instance"] = shallow
         if plan.lowest_shares_level:
             classes = section["classes"]
-            lowest, above = sorted(classes, key=lambda n: classes[n]["rank"])[-1:-3:-1]
+            *_, above, lowest = sorted(classes, key=lambda n: classes[n]["rank"])
             classes[lowest]["triton_priority"] = classes[above]["triton_priority"]
         # Adaptive concurrency is the default since session 31; the arms measured before then
         # keep the fixed slots derived from max_batch_size (2 x 16 = 32 per instance) unless
