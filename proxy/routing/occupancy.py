@@ -71,14 +71,12 @@ def long_free(instances: Iterable[Instance]) -> dict[str, int]:
     ``ExpectedStartParams.short_reserve`` reads (``RouteRequest.free_of_long``). Sampled with
     the busy shares, never on the request path."""
     pool = list(instances)
-    out: dict[str, int] = {}
+    holding: dict[str, int] = {}
     for inst in pool:
         for model, n in inst.long_in_flight.items():
-            if n > 0 and inst.serves(model) and model not in out:
-                out[model] = sum(
-                    1 for i in pool if i.serves(model) and not i.long_in_flight.get(model)
-                )
-    return out
+            if n > 0 and inst.serves(model):
+                holding[model] = holding.get(model, 0) + 1
+    return {model: sum(1 for i in pool if i.serves(model)) - n for model, n in holding.items()}
 
 
 class Occupancy:
