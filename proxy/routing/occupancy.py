@@ -36,7 +36,7 @@ bound of the fleet's.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,17 +52,25 @@ SAMPLE_S = 0.1
 under 1 % of a core at 1,000 instances)."""
 
 
+def _holding(
+    pool: list[Instance], counts: Callable[[Instance], Mapping[str, int]]
+) -> dict[str, tuple[int, int]]:
+    """model -> (instances serving it that hold some of it in ``counts``, instances serving
+    it), for every model some serving instance holds."""
+    holding: dict[str, int] = {}
+    for inst in pool:
+        for model, n in counts(inst).items():
+            if n > 0 and inst.serves(model):
+                holding[model] = holding.get(model, 0) + 1
+    return {m: (n, sum(1 for i in pool if i.serves(m))) for m, n in holding.items()}
+
+
 def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
     """model -> the share of the instances serving it (healthy, the model not out there)
     that have some of it in flight, for every model with anything in flight."""
-    pool = list(instances)
-    busy: dict[str, int] = {}
-    for inst in pool:
-        for model, n in inst.model_in_flight.items():
-            if n > 0 and inst.serves(model):
-                busy[model] = busy.get(model, 0) + 1
     # A busy instance serves the model, so the count of those serving it is at least 1.
-    return {model: n / sum(1 for i in pool if i.serves(model)) for model, n in busy.items()}
+    held = _holding(list(instances), lambda i: i.model_in_flight)
+    return {model: busy / serving for model, (busy, serving) in held.items()}
 
 
 def long_free(instances: Iterable[Instance]) -> dict[str, int]:
@@ -70,13 +78,8 @@ def long_free(instances: Iterable[Instance]) -> dict[str, int]:
     (``Instance.long_in_flight``), for every model with long work in flight somewhere: what
     ``ExpectedStartParams.short_reserve`` reads (``RouteRequest.free_of_long``). Sampled with
     the busy shares, never on the request path."""
-    pool = list(instances)
-    holding: dict[str, int] = {}
-    for inst in pool:
-        for model, n in inst.long_in_flight.items():
-            if n > 0 and inst.serves(model):
-                holding[model] = holding.get(model, 0) + 1
-    return {model: sum(1 for i in pool if i.serves(model)) - n for model, n in holding.items()}
+    held = _holding(list(instances), lambda i: i.long_in_flight)
+    return {model: serving - long for model, (long, serving) in held.items()}
 
 
 class Occupancy:
