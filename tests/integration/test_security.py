@@ -98,10 +98,13 @@ def test_no_target_reaches_another_service_and_refusals_eject_nothing(
 
 
 def test_invented_model_names_get_404_and_add_no_metric_series(proxy: ProxyThread) -> None:
-    def series() -> int:
+    def series() -> set[str]:
+        """The exposition's series (name and labels, without values)."""
         text = proxy.proxy.telemetry.exposition().decode()
-        return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+        return {line.rsplit(" ", 1)[0] for line in text.splitlines() if line[:1] not in "#"}
 
+    # A subset, not equality: a series may lawfully go in between (the smoothed occupancy
+    # of a model an earlier test used decays and is forgotten); none may come.
     before = None
     for i in range(60):
         status, body = raw(proxy.http, f"POST /v2/models/invented-{i}/infer", b'{"inputs":[]}')
@@ -111,7 +114,7 @@ def test_invented_model_names_get_404_and_add_no_metric_series(proxy: ProxyThrea
         )
         if i == 9:
             before = series()
-    assert before is not None and series() == before
+    assert before is not None and series() - before == set()
     text = proxy.proxy.telemetry.exposition().decode()
     assert "invented-" not in text
     assert 'model="other"' in text
