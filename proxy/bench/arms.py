@@ -106,6 +106,7 @@ from proxy.bench.procs import stop_process
 from proxy.bench.results import PROXY_COPIES, PROXY_RSS
 from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
+from proxy.bench.trace import class_probe, with_counters
 from proxy.local.fleet import log_tail
 from proxy.routing.config import CLASS_POLICY, CLASS_WAKE
 
@@ -1100,18 +1101,27 @@ PROXY_OCCUPANCY = "triton_proxy_model_occupancy"
 PROXY_NUDGES = "triton_proxy_quiet_nudges_total"
 
 
-def triton_pending_probe(servers: Sequence[Server], model: str) -> PrometheusGaugeProbe:
-    """Requests queued in each Triton server for ``model`` (any arm)."""
-    return PrometheusGaugeProbe(
+def triton_pending_probe(servers: Sequence[Server], model: str, trace: bool = False) -> LoadProbe:
+    """Requests queued in each Triton server for ``model`` (any arm); with ``trace``, also
+    the batch counters :mod:`proxy.bench.trace` reads, from the same scrape."""
+    pending = PrometheusGaugeProbe(
         {s.name: s.metrics_url for s in servers}, TRITON_PENDING, {"model": model}
     )
+    return with_counters(pending, model) if trace else pending
 
 
-def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints) -> LoadProbe:
+def proxy_probe(
+    servers: Sequence[Server], model: str, endpoints: ProxyEndpoints, trace: bool = False
+) -> LoadProbe:
     """Triton's queued requests plus the proxy's own in-flight count per instance (and its
-    model occupancy, wake copies and memory)."""
-    pending = triton_pending_probe(servers, model)
-    parts: list[tuple[LoadProbe, str]] = [(pending, " queued")]
+    model occupancy, wake copies and memory); with ``trace``, Triton's batch counters and the
+    proxy's in-flight count by class too (:mod:`proxy.bench.trace`)."""
+    pending = PrometheusGaugeProbe(
+        {s.name: s.metrics_url for s in servers}, TRITON_PENDING, {"model": model}
+    )
+    parts: list[tuple[LoadProbe, str]] = (
+        [(with_counters(pending, model, " queued"), "")] if trace else [(pending, " queued")]
+    )
     if endpoints.metrics_url is not None:
         page = {"proxy": endpoints.metrics_url}
         in_flight = PrometheusGaugeProbe(page, PROXY_IN_FLIGHT, split_label="instance")
@@ -1119,6 +1129,8 @@ def proxy_probe(servers: Sequence[Server], model: str, endpoints: ProxyEndpoints
         copies = PrometheusGaugeProbe(page, PROXY_NUDGES)  # summed: key "proxy"
         scrape = [(in_flight, " proxy in flight"), (occupancy, " occupancy")]
         scrape.append((copies, PROXY_COPIES.removeprefix("proxy")))
+        if trace:
+            scrape.append(class_probe(page, model))
         parts.append((OneScrapeProbe(scrape), ""))
     if endpoints.pid is not None:
         parts.append((RssProbe(endpoints.pid), ""))
@@ -1141,8 +1153,10 @@ def build_arm(
     name: str | None = None,
     workers: int = 1,
     root: Path = ROOT,
+    trace: bool = False,
 ) -> ArmSpec:
-    """An :class:`ArmSpec` for ``plan`` over ``servers``; nothing starts until it is opened."""
+    """An :class:`ArmSpec` for ``plan`` over ``servers``; nothing starts until it is opened.
+    ``trace``: its load probe also keeps what ``bench --trace`` reads (:mod:`proxy.bench.trace`)."""
     if workers != 1 and mode != "subprocess":
         raise ValueError("proxy workers run only in a child process (--proxy-mode subprocess)")
     arm_name = name or plan.name
@@ -1185,8 +1199,8 @@ def build_arm(
     def probe() -> LoadProbe:
         endpoints = current.get("endpoints")
         if endpoints is None:
-            return triton_pending_probe(servers, model.name)
-        return proxy_probe(servers, model.name, endpoints)
+            return triton_pending_probe(servers, model.name, trace)
+        return proxy_probe(servers, model.name, endpoints, trace)
 
     return ArmSpec.started(
         arm_name,

@@ -70,6 +70,7 @@ from proxy.bench.results import Report
 from proxy.bench.runner import RunRecords
 from proxy.bench.scenario import Arrival, ModelSpec, Scenario, load_scenario
 from proxy.bench.sweep import best_baseline, plot_sweep, render_sweep, sweep_summary
+from proxy.bench.trace import render_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SCENARIO = ROOT / "benchmarks" / "mixed.yaml"
@@ -188,6 +189,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="also keep every request of every run (LOAD/requests/<arm>#<rep>.npz) and write "
         "where they waited (LOAD/stalls.txt; python -m proxy.bench.request_log)",
+    )
+    b.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write what each Triton's batcher did every 0.5 s of every run (rows per "
+        "batch, batch time, queue) beside the proxy's in-flight counts by class "
+        "(LOAD/trace.txt; proxy.bench.trace)",
     )
     b.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     b.add_argument("--no-plots", action="store_true", help="table and JSON only")
@@ -482,6 +490,7 @@ async def _bench(
                 mode=args.proxy_mode,
                 name=p.name + worker_suffix(n),
                 workers=n,
+                trace=args.trace,
             )
             for p in plans
             for n in (args.workers_list if p.kind == "proxy" else (1,))
@@ -496,6 +505,7 @@ async def _bench(
                     workdir=work,
                     name=p.name + BASE_SUFFIX,
                     root=Path(args.baseline_tree),
+                    trace=args.trace,
                 )
                 for p in plans
                 if p.kind == "proxy"
@@ -503,9 +513,15 @@ async def _bench(
         reports: list[tuple[float, Report]] = []
         note = device_note(scenario)
         logs: list[RequestLog] = []
+        traces: list[str] = []
+        names = [s.name for s in servers]
 
-        def keep_log(arm: str, rep: int, schedule: Sequence[Arrival], rec: RunRecords) -> None:
-            logs.append(RequestLog.of(arm, rep, schedule, rec))
+        def keep(arm: str, rep: int, schedule: Sequence[Arrival], rec: RunRecords) -> None:
+            if args.request_log:
+                logs.append(RequestLog.of(arm, rep, schedule, rec))
+            if args.trace:
+                heading = f"== {arm}, repetition {rep + 1}"
+                traces.append(f"{heading}\n{render_trace(rec.load_samples, names)}")
 
         for scale in args.scale:
             meter.runs.clear()
@@ -513,14 +529,15 @@ async def _bench(
             print(f"\nbench: load factor {scale:g}", flush=True)
             folder = scale_dir(out, scale, args.scale)
             logs.clear()
+            traces.clear()
             report = await run_comparison(
                 sc,
                 [meter.wrap(with_connection_limit(a, args.connections)) for a in arms],
                 baseline=baseline_name(plans),
-                probe=lambda: triton_pending_probe(servers, scenario.model.name),
+                probe=lambda: triton_pending_probe(servers, scenario.model.name, args.trace),
                 show_progress=show,
                 note=note,
-                on_run=keep_log if args.request_log else None,
+                on_run=keep if args.request_log or args.trace else None,
             )
             # ratios in the table: against this load's best baseline when there is one
             report.baseline = best_baseline(report, baseline_arms(plans)) or report.baseline
@@ -531,6 +548,8 @@ async def _bench(
                 for log in logs:
                     log.save(folder / "requests" / file_name(log.arm, log.repetition))
                 (folder / "stalls.txt").write_text(analyse(logs))
+            if traces:
+                (folder / "trace.txt").write_text("\n\n".join(traces) + "\n")
             (folder / "cpu.txt").write_text(meter.render() + "\n")
             (folder / "cpu.json").write_text(json.dumps(meter.to_dict(), indent=1) + "\n")
             print(render_table(report) + "\n\n" + meter.render(), flush=True)

@@ -44,6 +44,7 @@ from numpy.typing import NDArray
 
 from proxy.bench.runner import PENDING, Outcome, RunRecords
 from proxy.bench.scenario import Arrival, Scenario
+from proxy.bench.trace import is_trace_key
 from proxy.stats.histogram import Histogram
 
 US = 1_000_000
@@ -454,7 +455,8 @@ def client_in_flight(rec: RunRecords, grid_s: float) -> LoadSeries:
 
 
 def probed_load(rec: RunRecords) -> LoadSeries:
-    names = sorted({k for _, sample in rec.load_samples for k in sample} - NOT_LOAD)
+    keys = {k for _, sample in rec.load_samples for k in sample} - NOT_LOAD
+    names = sorted(k for k in keys if not is_trace_key(k))
     series = LoadSeries(source="probe", t=[round(t, 6) for t, _ in rec.load_samples])
     for name in names:
         series.values[name] = [sample.get(name) for _, sample in rec.load_samples]

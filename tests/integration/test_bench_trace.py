@@ -1,0 +1,66 @@
+"""``bench --trace`` against real Triton servers: the counters it reads are Triton's, and the
+line it renders is what the server's batcher did between two samples."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from proxy.bench.arms import triton_pending_probe
+from proxy.bench.trace import render_trace
+from proxy.local import TritonServer
+
+pytestmark = pytest.mark.integration
+
+
+def _rows(client: httpclient.InferenceServerClient, rows: int) -> tuple[int, int]:
+    ids = np.arange(rows * 16, dtype=np.int64).reshape(rows, 16)
+    tensor = httpclient.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+    tensor.set_data_from_numpy(ids)
+    result = client.infer("accel_sim", [tensor])
+    batch_rows = int(result.as_numpy("BATCH_SIZE")[0, 0])
+    return batch_rows, int(result.as_numpy("BATCH_COST_US")[0, 0])
+
+
+def test_the_trace_shows_the_batches_a_triton_ran(triton_servers: list[TritonServer]) -> None:
+    servers = triton_servers
+    names = [s.name for s in servers]
+    first = names[0]
+
+    async def run() -> tuple[list[tuple[float, dict[str, float]]], list[tuple[int, int]]]:
+        probe = triton_pending_probe(servers, "accel_sim", trace=True)
+        try:
+            # an earlier test's last requests may still run: start once the counters rest
+            before = dict(await probe.sample())
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                now = dict(await probe.sample())
+                if now == before:
+                    break
+                before = now
+            client = httpclient.InferenceServerClient(servers[0].http_url.removeprefix("http://"))
+            try:  # one by one, so each request is a batch of its own
+                seen = [await asyncio.to_thread(_rows, client, 3) for _ in range(4)]
+            finally:
+                client.close()
+            after = dict(await probe.sample())
+        finally:
+            await probe.aclose()
+        return [(0.0, before), (1.0, after)], seen
+
+    samples, seen = asyncio.run(run())
+    assert [rows for rows, _ in seen] == [3, 3, 3, 3]
+    before, after = samples[0][1], samples[1][1]
+    assert after[f"{first} batches"] - before[f"{first} batches"] == 4
+    assert after[f"{first} rows"] - before[f"{first} rows"] == 12
+    assert after[f"{first} requests"] - before[f"{first} requests"] == 4
+    cells = render_trace(samples, names).splitlines()[1].split("|")
+    ours = cells[1].split()
+    assert ours[:2] == [f"{first}:", "3.0"] and ours[3] == "4.0"  # 4 batches in 1 s
+    # Triton's compute time per batch against the model's own cost of those batches
+    mean_ms = sum(cost for _, cost in seen) / len(seen) / 1000
+    assert abs(float(ours[2]) - mean_ms) <= max(2.0, mean_ms / 2), (ours, mean_ms)
+    assert all(cell.split()[1:3] == ["-", "-"] for cell in cells[2:])  # the others ran none
