@@ -37,7 +37,7 @@ from proxy.clock import FakeClock
 from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec
 from proxy.fleet.snapshot import InstanceSnapshot, ModelLoad
 from proxy.placement import FleetPlacement, Placer
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import RouteRequest
 from proxy.routing.batcher import BatcherModel
 from proxy.routing.config import PolicySpec, RoutingConfig
 from proxy.routing.engine import Router
@@ -192,13 +192,7 @@ def _placer(kind: str, router: Router) -> Placer:
     if kind != "linear":
         return lambda request, source, exclude: router.place(request, source, exclude)
 
-    def linear(
-        request: RouteRequest, source: FleetPlacement, exclude: frozenset[str]
-    ) -> Candidate | None:
-        candidates = source.filtered(request, exclude)
-        return router.choose(request, candidates) if candidates else None
-
-    return linear
+    return lambda request, source, exclude: router.place_linear(request, source, exclude)
 
 
 def measure_policy(

@@ -337,8 +337,8 @@ class Fleet:
         """The smoothed share of each model's instances with work in flight
         (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by
         placement and the metrics)."""
-        self.long_free: dict[str, int] = {}
-        """model -> instances serving it without its long work in flight, for models with
+        self.long_free: dict[str, frozenset[str]] = {}
+        """model -> the instances serving it without its long work in flight, for models with
         long work in flight (``proxy.routing.occupancy.long_free``; sampled with the
         occupancy)."""
         self.positions: dict[str, int] = {}

@@ -111,9 +111,9 @@ class RouteRequest:
     occupancy: float = 1.0
     """Smoothed share of the model's instances with work in flight, 0..1
     (``proxy.routing.occupancy``); 1.0 when not measured."""
-    free_of_long: int | None = None
-    """Instances serving the model with none of its long work in flight, as of the last scan
-    (``proxy.routing.occupancy.long_free``); None when no long work is in flight or not
+    free_of_long: frozenset[str] | None = None
+    """The instances serving the model with none of its long work in flight, as of the last
+    scan (``proxy.routing.occupancy.long_free``); None when no long work is in flight or not
     measured (``ExpectedStartParams.short_reserve``)."""
     rows: int = 1
     """Rows of the request (``cost / rows``: the length its batch is padded to)."""
@@ -157,6 +157,18 @@ class Policy(Protocol):
         """The same decision over a view of the candidates kept up to date between requests
         (``proxy.routing.view``; never empty), without visiting every candidate."""
         ...
+
+    def keep_off(self, request: RouteRequest) -> frozenset[str]:
+        """Instances ``request`` must not be placed on while any other can take it: placement
+        takes them out before its filters (a free slot, the class's cap), as a retry's, and
+        puts them back only when nothing else serves (``Router.place``). Most policies keep
+        off none (:func:`keep_none`)."""
+        ...
+
+
+def keep_none(policy: object, request: RouteRequest) -> frozenset[str]:
+    """``Policy.keep_off`` of a policy that keeps no request off any instance."""
+    return frozenset()
 
 
 PolicyFactory = Callable[[dict[str, Any], random.Random], Policy]

@@ -12,7 +12,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import Candidate, RouteRequest, keep_none
 from proxy.routing.least_requests import LeastRequests, LeastRequestsParams
 from proxy.routing.select import load_params, pick_min
 from proxy.routing.view import GONE, LEVELS, Member, ModelView
@@ -68,6 +68,7 @@ class ConsistentHash:
 
     reads_ahead = False
     keeps_sessions = True
+    keep_off = keep_none
 
     def __init__(self, params: ConsistentHashParams, rng: random.Random) -> None:
         self.params = params

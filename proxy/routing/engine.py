@@ -25,6 +25,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from proxy.clock import Clock
 from proxy.routing.base import Candidate, Policy, RouteRequest
@@ -63,6 +64,12 @@ class RoutingStats:
 
     def record_fallback(self, model: str, reason: str) -> None:
         self.fallbacks[(model, reason)] += 1
+
+
+class LinearSource(Protocol):
+    """Candidates for the linear path (``proxy.placement.FleetPlacement.filtered``)."""
+
+    def filtered(self, request: RouteRequest, exclude: frozenset[str]) -> list[Candidate]: ...
 
 
 class Router:
@@ -182,10 +189,41 @@ class Router:
         """The decision :meth:`choose` would make on ``source``'s candidates for ``request``
         (after its per-request filters, less ``exclude``), from a view of them kept up to date
         by the fleet's change journal: the cost grows with what changed since the last decision
-        and with log(instances), not with the number of instances. None: no candidate."""
+        and with log(instances), not with the number of instances. None: no candidate.
+
+        The policy's ``keep_off`` instances are taken out first, like ``exclude``; only when
+        none is left are they put back (:meth:`place_linear` is the same on the linear path)."""
         began = time.perf_counter()
         now = self._clock.now()
         name, policy = self.policy(request.model)
+        keep = policy.keep_off(request)
+        if keep:
+            chosen = self._place(request, source, exclude | keep, name, policy, now, began)
+            if chosen is not None:
+                return chosen
+        return self._place(request, source, exclude, name, policy, now, began)
+
+    def place_linear(
+        self, request: RouteRequest, source: LinearSource, exclude: frozenset[str] = frozenset()
+    ) -> Candidate | None:
+        """:meth:`place`'s decision by the linear path (:meth:`choose` over
+        ``source.filtered``): what it must match. None: no candidate."""
+        keep = self.policy(request.model)[1].keep_off(request)
+        candidates = source.filtered(request, exclude | keep) if keep else []
+        if not candidates:
+            candidates = source.filtered(request, exclude)
+        return self.choose(request, candidates) if candidates else None
+
+    def _place(
+        self,
+        request: RouteRequest,
+        source: CandidateSource,
+        exclude: frozenset[str],
+        name: str,
+        policy: Policy,
+        now: float,
+        began: float,
+    ) -> Candidate | None:
         key = (source, request.model, request.class_name, request.class_cap, request.level)
         view = self._views.get(key)
         if view is None:

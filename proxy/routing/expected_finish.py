@@ -157,6 +157,11 @@ class ExpectedFinish:
             )
         )
 
+    def keep_off(self, request: RouteRequest) -> frozenset[str]:
+        """The lane's (``ExpectedStart.keep_off``: ``short_reserve``)."""
+        lane = self._lane
+        return frozenset() if lane is None else lane.keep_off(request)
+
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         lane = self._lane
         if lane is not None and lane.packs(request):

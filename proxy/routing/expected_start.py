@@ -119,7 +119,9 @@ class ExpectedStartParams:
     """``pack``: a long request of a class without ``max_per_instance`` does not open an
     instance free of long work (``long_in_flight`` 0) while at most this many of the model's
     instances are free of it (``RouteRequest.free_of_long``, sampled every 0.1 s): it joins
-    the lane instead, past ``lane_depth`` if need be. Why: a lane that overflows opens the
+    the lane instead, past ``lane_depth`` if need be, and past the lane instances' slot
+    limits (:meth:`ExpectedStart.keep_off` takes those instances out before placement's
+    filters; the gate still bounds the fleet's total). Why: a lane that overflows opens the
     last instances running short batches only; the long rows pad them, every batch on the
     fleet becomes a padded one, the fleet serves no more than its FIFO capacity, and under
     overload the queues inside Triton never drain again (measured: an online burst at
@@ -239,9 +241,17 @@ class ExpectedStart:
             reserve > 0
             and request.class_cap is None
             and free is not None
-            and free <= reserve
+            and len(free) <= reserve
             and self.packs(request)
         )
+
+    def keep_off(self, request: RouteRequest) -> frozenset[str]:
+        """With ``short_reserve``, a held request (:meth:`holds_short`) keeps off the instances
+        free of long work, before placement's slot filter: when every lane instance is at its
+        slot limit the filter would otherwise leave only those, and the long rows would open
+        them (measured, docs/benchmarks.md, issue 10, thirty-third round)."""
+        free = request.free_of_long
+        return free if free is not None and self.holds_short(request) else frozenset()
 
     def to_idle(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work that ``long_to_idle`` may send to an idle instance."""

@@ -73,13 +73,19 @@ def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
     return {model: busy / serving for model, (busy, serving) in held.items()}
 
 
-def long_free(instances: Iterable[Instance]) -> dict[str, int]:
-    """model -> how many of the instances serving it have none of its long work in flight
+def long_free(instances: Iterable[Instance]) -> dict[str, frozenset[str]]:
+    """model -> the instances serving it that have none of its long work in flight
     (``Instance.long_in_flight``), for every model with long work in flight somewhere: what
     ``ExpectedStartParams.short_reserve`` reads (``RouteRequest.free_of_long``). Sampled with
     the busy shares, never on the request path."""
-    held = _holding(list(instances), lambda i: i.long_in_flight)
-    return {model: serving - long for model, (long, serving) in held.items()}
+    pool = list(instances)
+    held = _holding(pool, lambda i: i.long_in_flight)
+    return {
+        model: frozenset(
+            i.name for i in pool if i.serves(model) and not i.long_in_flight.get(model)
+        )
+        for model in held
+    }
 
 
 class Occupancy:

@@ -6,7 +6,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import Candidate, RouteRequest, keep_none
 from proxy.routing.select import load_params
 from proxy.routing.view import ModelView
 from proxy.routing.weighted_score import WeightedScoreParams, weighted_score
@@ -28,6 +28,7 @@ class PowerOfTwoChoices:
 
     reads_ahead = False
     keeps_sessions = False
+    keep_off = keep_none
 
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:
         self.params = params

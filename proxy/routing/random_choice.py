@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import Candidate, RouteRequest, keep_none
 from proxy.routing.select import load_params, weight_of
 from proxy.routing.view import ModelView, WeightTree
 
@@ -28,6 +28,7 @@ class RandomChoice:
 
     reads_ahead = False
     keeps_sessions = False
+    keep_off = keep_none
 
     def __init__(self, params: RandomParams, rng: random.Random) -> None:
         self.params = params

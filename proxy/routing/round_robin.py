@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import Candidate, RouteRequest, keep_none
 from proxy.routing.select import load_params, weight_of
 from proxy.routing.view import ModelView, Rotation
 
@@ -35,6 +35,7 @@ class RoundRobin:
 
     reads_ahead = False
     keeps_sessions = False
+    keep_off = keep_none
 
     def __init__(self, params: RoundRobinParams, rng: random.Random) -> None:
         self.params = params

@@ -202,8 +202,13 @@ def test_short_reserve_keeps_the_last_short_instance_free_of_long_work() -> None
     a = replace(candidate("a", [row] * 33, NOW - 0.01), long_in_flight=33)
     b = replace(candidate("b", [row] * 32, NOW - 0.01), long_in_flight=32)
     c = candidate("c", [(NOW - 0.001, work(1, 32))], NOW - 0.01)
+    c_and_d = frozenset({"c", "d"})
     online_long = replace(
-        request(Job(2, 1, 512.0)), long=True, occupancy=0.95, batch=16, free_of_long=1
+        request(Job(2, 1, 512.0)),
+        long=True,
+        occupancy=0.95,
+        batch=16,
+        free_of_long=frozenset({"c"}),
     )
     plain = build_policy("expected_finish", {"pack_above": 0.9}, random.Random(0))
     held = build_policy(
@@ -211,7 +216,7 @@ def test_short_reserve_keeps_the_last_short_instance_free_of_long_work() -> None
     )
     assert plain.choose([a, b, c], online_long).name == "c"
     assert held.choose([a, b, c], online_long).name == "b"
-    assert held.choose([a, b, c], replace(online_long, free_of_long=2)).name == "c"
+    assert held.choose([a, b, c], replace(online_long, free_of_long=c_and_d)).name == "c"
     assert held.choose([a, b, c], replace(online_long, free_of_long=None)).name == "c"
     # below pack_above nothing is packed, so nothing is held either
     assert held.choose([a, b, c], replace(online_long, occupancy=0.5)).name != "b"

@@ -25,16 +25,16 @@ def test_busy_share_counts_the_instances_serving_the_model_that_hold_some_of_it(
     assert busy_shares([_inst("x"), _inst("y")]) == {}
 
 
-def test_long_free_counts_the_instances_serving_the_model_without_its_long_work() -> None:
+def test_long_free_names_the_instances_serving_the_model_without_its_long_work() -> None:
     a, b, c, d = _inst("a", m=3, n=1), _inst("b", m=1), _inst("c"), _inst("d", m=2)
     a.long_in_flight.update(m=2)
     d.long_in_flight.update(m=1)
     d.healthy = False  # out of rotation: not counted either way
-    assert long_free([a, b, c, d]) == {"m": 2}  # b and c; n has no long work anywhere
+    assert long_free([a, b, c, d]) == {"m": {"b", "c"}}  # n has no long work anywhere
     b.long_in_flight.update(m=1, n=1)
-    assert long_free([a, b, c, d]) == {"m": 1, "n": 2}
+    assert long_free([a, b, c, d]) == {"m": {"c"}, "n": {"a", "c"}}
     c.models_out["m"] = ModelOut("not ready", 0.0, 1.0)
-    assert long_free([a, b, c, d])["m"] == 0
+    assert long_free([a, b, c, d])["m"] == frozenset()
 
 
 def test_occupancy_follows_a_step_with_its_time_constant_and_forgets_idle_models() -> None:
