@@ -28,6 +28,7 @@ import yaml
 
 from proxy import config as config_mod
 from proxy.ops import dashboards
+from proxy.routing.config import CLASS_POLICY, CLASS_WAKE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -212,6 +213,20 @@ def test_compose_policy_names_the_compose_tritons() -> None:
     cfg = config_mod.load_file(DOCKER / "policy.yaml")
     assert [i.name for i in cfg.instances] == ["triton-0", "triton-1", "triton-2"]
     assert all(i.http == f"http://{i.name}:8000" for i in cfg.instances)
+
+
+def test_compose_and_kubernetes_policies_route_as_the_class_default() -> None:
+    """Both deployments carry one policy (docker/policy.yaml says so) and name no routing
+    policy, so classes get the placement issue 10's benchmark measured (CLASS_POLICY), not
+    least_requests, its worst arm near capacity."""
+    compose = config_mod.load_file(DOCKER / "policy.yaml")
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs()}
+    text = docs[("ConfigMap", "triton-proxy-policy")]["data"]["policy.yaml"]
+    k8s = config_mod.parse(yaml.safe_load(text), "<configmap>")
+    for cfg in (compose, k8s):
+        assert cfg.scheduling is not None
+        assert cfg.routing.policy == CLASS_POLICY and cfg.routing.wake == CLASS_WAKE
+    assert compose.scheduling == k8s.scheduling
 
 
 # --- Kubernetes -------------------------------------------------------------------------------
