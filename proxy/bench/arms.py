@@ -694,7 +694,8 @@ def _catalog() -> dict[str, ArmPlan]:
         shipped,
         f"{shipped.name}+reserve",
         f"{shipped.name} whose long lane never opens the last instance free of long work "
-        "to online's long requests (expected_finish's short_reserve: 1)",
+        "to online's long requests (expected_finish's short_reserve: 1; "
+        "policies/mixed-traffic.yaml since the thirty-third round)",
         short_reserve=1,
     )
     on_ring += [shared, reserve]
@@ -748,8 +749,9 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # replay with long work packed near capacity (twenty-second round) and the throughput
     # class's backlog packed at any load and Triton's stall ended by expired copies
     # (twenty-fourth round), sent after a fixed silence (twenty-sixth round), with adaptive
-    # concurrency and deadline admission (twenty-ninth round; it is
-    # policies/mixed-traffic.yaml). The earlier rounds' arms stay in the catalog by name.
+    # concurrency and deadline admission (twenty-ninth round), and the reserve of one
+    # instance free of long work (thirty-third round; it is policies/mixed-traffic.yaml). The
+    # earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
@@ -757,7 +759,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve",
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

@@ -59,17 +59,22 @@ class ExpectedFinishParams:
     lane_depth: int | None = None
     """With ``pack_above``: long requests of an uncapped class an instance of the lane holds
     before another instance is opened to them (``ExpectedStartParams.lane_depth``; default
-    ``2 x max_batch_size``). Measured (docs/benchmarks.md, issue 10, thirty-second round, 2
-    repetitions): 64 kept an online burst at ``online_burst.yaml`` x2 from overflowing the
-    lane into every instance (real-time 88-97 % within its SLO against 44-86 %); a first run
-    showed a higher real-time P99 at ``burst.yaml`` x2 (178-215 against 128-133 ms) that a
-    repeat with 3 repetitions did not; not a default until x1.5 and a healthy x2 are run."""
+    ``2 x max_batch_size``). Measured (docs/benchmarks.md, issue 10, thirty-second and
+    thirty-third rounds, 3 repetitions on five scenarios): 64 kept an online burst at
+    ``online_burst.yaml`` x2 from overflowing the lane (real-time 96.6-100 % within its SLO
+    against 93.5-97.9 %) but lengthened online's tail where nothing locks (``long_share.yaml``
+    x2 online P99 455-483 against 335-344 ms) and tipped ``case.yaml`` x2 on a loaded machine
+    (real-time 86 % within its SLO against 97 % in two repetitions of one run). Not a default:
+    ``short_reserve`` is the remedy for the overflow."""
 
     short_reserve: int = 0
     """With ``pack_above``: the lane never opens the last this-many instances free of long
     work to an uncapped class's long requests (``ExpectedStartParams.short_reserve``).
-    Measured at ``online_burst.yaml`` x2 (thirty-second round): helps (real-time 44 % -> 65 %
-    within its SLO) less than ``lane_depth: 64``, and nothing on top of it. Opt-in."""
+    Measured (docs/benchmarks.md, issue 10, thirty-third round, 3 repetitions, once the reserve
+    acted before placement's slot filter): at ``online_burst.yaml`` x2 every SLO held in all
+    three repetitions (real-time P99 59-62 ms against 171-312 without it, offline above its
+    floor), level on the five scenarios at x1-x2. On in ``policies/mixed-traffic.yaml``; off
+    (0) by default."""
 
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:

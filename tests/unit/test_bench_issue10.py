@@ -447,7 +447,7 @@ def test_issue10_preset():
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [

@@ -30,14 +30,15 @@ def test_policies_exist() -> None:
 
 def test_the_mixed_traffic_policy_is_the_measured_arm() -> None:
     # policies/mixed-traffic.yaml says it is issue 10's
-    # `proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late`:
+    # `proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve`:
     # the same routing and scheduling (API keys aside) as that arm on case.yaml's classes.
     from proxy.bench.arms import proxy_policy, resolve_arms
     from proxy.bench.scenario import load_scenario
 
     root = Path(__file__).resolve().parents[2]
     shipped = config.read_document(root / "policies" / "mixed-traffic.yaml")
-    arm = resolve_arms("proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late")[0]
+    name = "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve"
+    arm = resolve_arms(name)[0]
     measured = proxy_policy([_Server()], arm, load_scenario(root / "benchmarks/issue10/case.yaml"))
     assert shipped["routing"] == measured["routing"]
     ours = {k: v for k, v in shipped["scheduling"].items() if k != "api_keys"}
