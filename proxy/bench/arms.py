@@ -1106,10 +1106,15 @@ PROXY_NUDGES = "triton_proxy_quiet_nudges_total"
 def triton_pending_probe(servers: Sequence[Server], model: str, trace: bool = False) -> LoadProbe:
     """Requests queued in each Triton server for ``model`` (any arm); with ``trace``, also
     the batch counters :mod:`proxy.bench.trace` reads, from the same scrape."""
-    pending = PrometheusGaugeProbe(
+    pending = _pending(servers, model)
+    return with_counters(pending, model) if trace else pending
+
+
+def _pending(servers: Sequence[Server], model: str) -> PrometheusGaugeProbe:
+    """Triton's queue gauge for ``model`` on each server's page, keyed by server name."""
+    return PrometheusGaugeProbe(
         {s.name: s.metrics_url for s in servers}, TRITON_PENDING, {"model": model}
     )
-    return with_counters(pending, model) if trace else pending
 
 
 def proxy_probe(
@@ -1118,9 +1123,7 @@ def proxy_probe(
     """Triton's queued requests plus the proxy's own in-flight count per instance (and its
     model occupancy, wake copies and memory); with ``trace``, Triton's batch counters and the
     proxy's in-flight count by class too (:mod:`proxy.bench.trace`)."""
-    pending = PrometheusGaugeProbe(
-        {s.name: s.metrics_url for s in servers}, TRITON_PENDING, {"model": model}
-    )
+    pending = _pending(servers, model)
     parts: list[tuple[LoadProbe, str]] = (
         [(with_counters(pending, model, " queued"), "")] if trace else [(pending, " queued")]
     )
