@@ -79,7 +79,7 @@ def long_free(instances: Iterable[Instance]) -> dict[str, frozenset[str]]:
     ``ExpectedStartParams.short_reserve`` reads (``RouteRequest.free_of_long``). Sampled with
     the busy shares, never on the request path."""
     pool = list(instances)
-    held = _holding(pool, lambda i: i.long_in_flight)
+    held = {m for i in pool for m, n in i.long_in_flight.items() if n > 0 and i.serves(m)}
     return {
         model: frozenset(
             i.name for i in pool if i.serves(model) and not i.long_in_flight.get(model)
