@@ -20,15 +20,17 @@ Every arm sends the same schedule to the same local Triton servers:
 - ``proxy_previous_best``: the best proxy configuration before issue 10, pinned:
   ``least_requests`` + classes with a fixed ``concurrency`` of 2 x ``max_batch_size`` (32),
   no deadline admission (``shed_late: false``), adaptive concurrency off;
-- ``proxy_classes_default``: the scenario's classes and no routing section: what a policy
-  file with classes and no routing policy gets (:data:`proxy.routing.config.CLASS_POLICY`,
-  :data:`~proxy.routing.config.CLASS_WAKE`), every scheduling default of session 30 (fixed
-  slots derived from ``max_batch_size``); ``+slots64`` with 64 fixed slots per instance;
+- ``proxy_classes_default``: the scenario's classes and the routing a policy file with
+  classes and no routing policy got in sessions 28-33 (pinned: :data:`MEASURED_CLASS_POLICY`,
+  :data:`MEASURED_CLASS_WAKE`), every scheduling default of session 30 (fixed slots derived
+  from ``max_batch_size``); ``+slots64`` with 64 fixed slots per instance;
   ``+adaptive`` with adaptive concurrency (every default since session 31),
   ``+adaptive+late`` also with deadline admission, ``+adaptive_fast+late`` the same with a
   shorter window for the adaptive law (:data:`FAST_WINDOW_S`); ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
-  ``+by_rank+late`` with deadline admission (``shed_late``);
+  ``+by_rank+late`` with deadline admission (``shed_late``); ``+adaptive+depth64`` and
+  ``+adaptive+reserve`` with one lane parameter more. :data:`CLASS_DEFAULT_ARM` is the one
+  whose routing and scheduling a policy file with classes and no routing section gets today;
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -108,7 +110,8 @@ from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, 
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.bench.trace import class_probe, with_counters
 from proxy.local.fleet import log_tail
-from proxy.routing.config import CLASS_POLICY, CLASS_WAKE
+from proxy.routing.config import PolicySpec
+from proxy.routing.wake import WakeParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,6 +178,26 @@ UNCAPPED_LANE_DEPTHS = (2, 4)
 ``max_batch_size`` (32 long requests), never opens a second instance for online's long rows at
 x0.5 in ``long_share.yaml``; there they queue behind each other and the offline batches."""
 
+MEASURED_CLASS_POLICY = PolicySpec(
+    "expected_finish",
+    {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged"},
+)
+"""The routing of every ``proxy_classes_default`` arm, pinned: what a policy file with classes
+and no routing policy got from session 28 (``158dd69``) to session 34
+(:data:`proxy.routing.config.CLASS_POLICY` before ``short_reserve``). Pinned so that a change
+of the default does not change what an arm measured under its name; the arm that is today's
+default is the one ``tests/unit/test_bench_issue10.py`` ties to it."""
+
+MEASURED_CLASS_WAKE = WakeParams(
+    scan_ms=3.0, nudge=True, expired_copy=True, real_copy=False, ring_after_ms=3.0
+)
+"""The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
+since session 29, ``a124a8f``), pinned with it."""
+
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive"
+"""The catalog arm that is today's class default (routing and scheduling; a unit test parses
+both and compares)."""
+
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
 
@@ -222,6 +245,26 @@ def _vary(plan: ArmPlan, name: str, description: str, **params: Any) -> ArmPlan:
     """``plan`` renamed, with ``params`` set on its routing policy's parameters."""
     policy_params = {**(plan.policy_params or {}), **params}
     return replace(plan, name=name, description=description, policy_params=policy_params)
+
+
+def _class_default(
+    name: str,
+    description: str,
+    scheduling: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> ArmPlan:
+    """A ``proxy_classes_default`` arm: classes, and the class default's routing pinned as
+    measured (:data:`MEASURED_CLASS_POLICY` with ``params`` on top, its wake)."""
+    return ArmPlan(
+        name,
+        "proxy",
+        description,
+        classes=True,
+        scheduling=scheduling,
+        policy=MEASURED_CLASS_POLICY.name,
+        policy_params={**MEASURED_CLASS_POLICY.params, **(params or {})},
+        routing={"wake": asdict(MEASURED_CLASS_WAKE)},
+    )
 
 
 def _catalog() -> dict[str, ArmPlan]:
@@ -295,41 +338,31 @@ def _catalog() -> dict[str, ArmPlan]:
                 "adaptive_concurrency": {"enabled": False},
             },
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default",
-            "proxy",
             "triton-proxy with the scenario's classes and nothing else: the routing a policy "
-            "file with classes gets when it names no policy (proxy.routing.config.CLASS_POLICY "
-            "and CLASS_WAKE), the scheduling defaults of session 30 (fixed slots derived from "
-            "max_batch_size; +adaptive is today's defaults)",
-            classes=True,
+            "file with classes got when it named no policy in sessions 28-33 (pinned: "
+            "MEASURED_CLASS_POLICY and its wake), the scheduling defaults of session 30 (fixed "
+            "slots derived from max_batch_size; +adaptive is today's scheduling defaults)",
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+slots64",
-            "proxy",
             "proxy_classes_default with 64 fixed slots per instance (adaptive concurrency's "
             "ceiling for max_batch_size 16) instead of the derived 2 x max_batch_size",
-            classes=True,
             scheduling={"concurrency": 64},
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+adaptive",
-            "proxy",
             "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
             "(every default since session 31)",
-            classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}},
         ),
         *(
-            ArmPlan(
+            _class_default(
                 f"proxy_classes_default+adaptive+{suffix}",
-                "proxy",
                 f"proxy_classes_default+adaptive whose long lane {what} (the default routing "
                 f"with expected_finish's {', '.join(f'{k}: {v}' for k, v in params.items())})",
-                policy=CLASS_POLICY.name,
-                policy_params={**CLASS_POLICY.params, **params},
-                routing={"wake": asdict(CLASS_WAKE)},
-                classes=True,
+                params=params,
                 scheduling={"adaptive_concurrency": {"enabled": True}},
             )
             for suffix, what, params in (
@@ -346,59 +379,47 @@ def _catalog() -> dict[str, ArmPlan]:
                 ),
             )
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+adaptive+late",
-            "proxy",
             "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
             "and deadline admission (shed_late)",
-            classes=True,
             scheduling={"adaptive_concurrency": {"enabled": True}, "shed_late": True},
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+adaptive_fast+late",
-            "proxy",
             "proxy_classes_default+adaptive+late whose adaptive law judges every "
             f"{FAST_WINDOW_S:g} s instead of every 1 s (adaptive_concurrency.window_s)",
-            classes=True,
             scheduling={
                 "adaptive_concurrency": {"enabled": True, "window_s": FAST_WINDOW_S},
                 "shed_late": True,
             },
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+adaptive+late_tail",
-            "proxy",
             "proxy_classes_default+adaptive+late whose class SLOs hold a request that waited "
             "to a slow answer (scheduling.late_by: tail)",
-            classes=True,
             scheduling={
                 "adaptive_concurrency": {"enabled": True},
                 "shed_late": True,
                 "late_by": "tail",
             },
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+by_rank",
-            "proxy",
             "proxy_classes_default with slot_sharing by_rank (a class counts only the slots of "
             "classes at least as important)",
-            classes=True,
             scheduling={"slot_sharing": "by_rank"},
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+by_rank+adaptive",
-            "proxy",
             "proxy_classes_default+by_rank with adaptive concurrency instead of the derived "
             "fixed slots",
-            classes=True,
             scheduling={"slot_sharing": "by_rank", "adaptive_concurrency": {"enabled": True}},
         ),
-        ArmPlan(
+        _class_default(
             "proxy_classes_default+by_rank+late",
-            "proxy",
             "proxy_classes_default+by_rank with deadline admission (shed_late: a request "
             "predicted past its class's SLO is shed at once)",
-            classes=True,
             scheduling={"slot_sharing": "by_rank", "shed_late": True},
         ),
         ArmPlan(

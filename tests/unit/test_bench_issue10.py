@@ -15,6 +15,7 @@ from proxy import config as config_mod
 from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
+    CLASS_DEFAULT_ARM,
     LANE_CONCURRENCY,
     LANE_DEPTH,
     PRESETS,
@@ -774,6 +775,27 @@ def test_shed_reason_reads_every_message_the_proxy_sends():
             continue  # answered 503, not 429
         err = _shed_error("accel_sim", Shed(reason, 1.0, "realtime"))
         assert shed_reason(str(err)) == reason.value, str(err)
+
+
+@pytest.mark.parametrize("scenario", ["case.yaml", "online_burst.yaml"])
+def test_the_class_default_arm_is_what_a_file_with_classes_and_no_routing_gets(scenario: str):
+    """The class default arms are pinned (MEASURED_CLASS_POLICY); CLASS_DEFAULT_ARM names the
+    one that is today's default, so a change of CLASS_POLICY must name its arm here."""
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / scenario)
+    arm = CATALOG[CLASS_DEFAULT_ARM]
+    bare = replace(arm, policy=None, policy_params=None, routing=None)
+    doc = proxy_policy(SERVERS, bare, sc)
+    assert "policy" not in doc["routing"] and doc["routing"] == {}
+    measured = config_mod.parse(proxy_policy(SERVERS, arm, sc), "<t>")
+    assert measured.routing == config_mod.parse(doc, "<t>").routing
+    scheduling = measured.scheduling
+    assert scheduling is not None
+    defaults = SchedulingConfig(
+        classes=scheduling.classes,
+        default_class=scheduling.default_class,
+        api_keys=scheduling.api_keys,
+    )
+    assert scheduling == defaults
 
 
 def test_class_default_arms_keep_their_slots_and_adaptive_is_todays_default():
