@@ -379,6 +379,25 @@ def _catalog() -> dict[str, ArmPlan]:
                 ),
             )
         ),
+        *(
+            replace(
+                _class_default(
+                    f"proxy_classes_default+adaptive+reserve+lane{suffix}",
+                    "proxy_classes_default+adaptive+reserve whose lowest class runs in "
+                    f"policies/mixed-traffic.yaml's lane (max_per_instance {LANE_DEPTH}, "
+                    f"spare_instances 1, shallow_per_instance {SHALLOW_DEPTH}){what}",
+                    params={"short_reserve": 1},
+                    scheduling={"adaptive_concurrency": {"enabled": True}, **scheduling},
+                ),
+                lowest_max_per_instance=LANE_DEPTH,
+                lowest_spare_instances=1,
+                lowest_shallow_per_instance=SHALLOW_DEPTH,
+            )
+            for suffix, what, scheduling in (
+                ("", "", {}),
+                ("+by_rank", ", slot_sharing by_rank", {"slot_sharing": "by_rank"}),
+            )
+        ),
         _class_default(
             "proxy_classes_default+adaptive+late",
             "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
