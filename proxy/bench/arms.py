@@ -183,7 +183,7 @@ MEASURED_CLASS_POLICY = PolicySpec(
     {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged"},
 )
 """The routing of every ``proxy_classes_default`` arm, pinned: what a policy file with classes
-and no routing policy got from session 28 (``158dd69``) to session 34
+and no routing policy got from session 28 (``158dd69``) to session 33
 (:data:`proxy.routing.config.CLASS_POLICY` before ``short_reserve``). Pinned so that a change
 of the default does not change what an arm measured under its name; the arm that is today's
 default is the one ``tests/unit/test_bench_issue10.py`` ties to it."""
@@ -194,7 +194,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares)."""
 

@@ -61,12 +61,14 @@ class RoutingConfig:
 
 CLASS_POLICY = PolicySpec(
     "expected_finish",
-    {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged"},
+    {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged", "short_reserve": 1},
 )
 """The routing policy when priority classes are on and the file names none: the placement
 issue 10's benchmark measured against round robin with Triton priorities and HAProxy
 (docs/benchmarks.md, issue 10; ``policies/mixed-traffic.yaml`` is the same with the
-throughput class's lane on top). Without classes the default stays :class:`PolicySpec`'s."""
+throughput class's lane on top). ``short_reserve: 1`` since session 34 (the lane never takes
+the last instance free of long work; the bench arm ``proxy_classes_default+adaptive+reserve``,
+thirty-fourth round). Without classes the default stays :class:`PolicySpec`'s."""
 
 CLASS_WAKE = WakeParams(
     scan_ms=3.0,
