@@ -112,6 +112,7 @@ from proxy.bench.trace import class_probe, with_counters
 from proxy.local.fleet import log_tail
 from proxy.routing.config import PolicySpec
 from proxy.routing.wake import WakeParams
+from proxy.scheduling.config import load_scheduling
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,9 +195,10 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
-both and compares)."""
+both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
+gives the benchmark's model (``max_batch_size`` 16)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
@@ -927,6 +929,12 @@ def proxy_policy(
         # keep the fixed slots derived from max_batch_size (2 x 16 = 32 per instance) unless
         # they name it (``+adaptive``) or a fixed ``concurrency``, so a name means one thing.
         section["adaptive_concurrency"] = {"enabled": False}
+        # Likewise the derived lane of throughput classes (the default since session 34): an
+        # arm has it only by name (its own lane, above, or ``throughput_lane`` in its
+        # scheduling). Written only where it would derive one, so an older --baseline-tree
+        # reads the document.
+        if load_scheduling(section).lane_classes():
+            section["throughput_lane"] = False
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

@@ -13,6 +13,8 @@ path inside it. Omitting the section gives three classes::
       concurrency: null                 # per-instance dispatch slots; null = derived
       slot_sharing: shared              # or by_rank: a class counts only the slots held by
                                         # classes at least as important as itself
+      throughput_lane: true             # classes without an SLO, below one with it: a long
+                                        # lane per model (SchedulingConfig.throughput_lane)
       class_header: x-triton-proxy-class
       api_key_header: authorization     # "Authorization: Bearer <key>"; other names: raw value
       api_keys:
@@ -32,6 +34,7 @@ path inside it. Omitting the section gives three classes::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -355,6 +358,17 @@ class SchedulingConfig:
     (:mod:`proxy.control.concurrency`); used when ``concurrency`` is null."""
     cost: CostConfig = field(default_factory=CostConfig)
     """Cost curves set per model instead of learned (:class:`CostConfig`)."""
+    throughput_lane: bool = True
+    """A *throughput class* (no ``slo_p99_ms``, ranked below a class that has one) that sets
+    no ``max_per_instance`` runs in a long lane derived from each model's batching
+    (:func:`derived_lane`): ``max_per_instance`` half the model's ``max_batch_size``,
+    ``shallow_per_instance`` a quarter of that, ``spare_instances: 1``. Without it, a burst
+    of the class's long requests fills every instance's batches, and the classes with an SLO
+    wait behind them: issue 10's benchmark measured the class default collapse at 1-2x the
+    fleet's FIFO capacity without a lane (``burst.yaml`` real-time 40-77 % within its SLO)
+    and hold every SLO with it (docs/benchmarks.md, thirty-fourth round). ``false``: such
+    classes run uncapped (the behaviour before session 34). Models with a ``max_batch_size``
+    under 2 batch nothing, so nothing pads: no lane there."""
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -419,6 +433,39 @@ class SchedulingConfig:
     def adaptive(self) -> bool:
         return self.concurrency is None and self.adaptive_concurrency.enabled
 
+    def lane_classes(self) -> tuple[str, ...]:
+        """The classes :attr:`throughput_lane` gives a derived lane: no SLO, no
+        ``max_per_instance`` of their own, ranked below a class with an SLO."""
+        if not self.throughput_lane:
+            return ()
+        ranks = [c.rank for c in self.classes.values() if c.slo_p99_ms is not None]
+        if not ranks:
+            return ()
+        best = min(ranks)
+        return tuple(
+            name
+            for name, c in self.classes.items()
+            if c.slo_p99_ms is None and c.max_per_instance is None and c.rank > best
+        )
+
+    def for_model(self, max_batch_size: int) -> SchedulingConfig:
+        """This section as the gate of a model with ``max_batch_size`` enforces it: each of
+        :meth:`lane_classes` with its :func:`derived_lane` (itself when there is none)."""
+        lane = derived_lane(max_batch_size)
+        names = self.lane_classes() if lane is not None else ()
+        if not names or lane is None:
+            return self
+        depth, shallow = lane
+        classes = dict(self.classes)
+        for name in names:
+            classes[name] = dataclasses.replace(
+                classes[name],
+                max_per_instance=depth,
+                shallow_per_instance=shallow,
+                spare_instances=1,
+            )
+        return dataclasses.replace(self, classes=MappingProxyType(classes))
+
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
         """Dispatch slots for one Triton instance: ``concurrency``, else derived from the model."""
         if self.concurrency is not None:
@@ -442,3 +489,20 @@ def load_scheduling(
 ) -> SchedulingConfig:
     """Strictly load the section from plain YAML data (None = all defaults)."""
     return strict.load(SchedulingConfig, data, path, source)
+
+
+def derived_lane(max_batch_size: int) -> tuple[int, int] | None:
+    """``(max_per_instance, shallow_per_instance)`` of a throughput class's derived lane on a
+    model (:attr:`SchedulingConfig.throughput_lane`), or None for a model that does not batch.
+
+    Half a batch of requests per lane instance, a quarter of that while the class's queue
+    moves. For issue 10's model (``max_batch_size`` 16, offline requests of 4 rows) that is
+    the lane ``policies/mixed-traffic.yaml`` sets and the benchmark measured: 8 (two batches
+    of offline rows, one running and one forming) and 2 (half a batch, so a more important
+    long request that lands there runs in a small batch). Requests of one row make the lane
+    shallower in rows (8 rows of 16): set ``max_per_instance`` where the class's requests
+    are small and its throughput matters more than the others' tails."""
+    if max_batch_size < 2:
+        return None
+    depth = max_batch_size // 2
+    return depth, max(1, depth // 4)

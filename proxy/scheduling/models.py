@@ -181,12 +181,18 @@ class ModelGates:
         gate = self.gates.get(model)
         return gate.lateness.inside(class_name) if gate is not None else 0.0
 
+    def classes(self, model: str) -> SchedulingConfig:
+        """The section as ``model``'s gate enforces it (:meth:`SchedulingConfig.for_model`:
+        the derived lanes of throughput classes), or as written before the gate exists."""
+        gate = self.gates.get(model)
+        return gate.config if gate is not None else self.config
+
     def gate(self, model: str, info: ModelInfo) -> Gate:
         gate = self.gates.get(model)
         if gate is None:
             self._infos[model] = info
             gate = self.gates[model] = Gate(
-                self.config,
+                self.config.for_model(info.max_batch_size),
                 lambda: self.capacity(info, model),
                 self.clock,
                 self.observer,
@@ -232,8 +238,8 @@ class ModelGates:
         ):
             self.adaptive = self._new_adaptive(config)
         self.config = config
-        for gate in self.gates.values():
-            gate.reconfigure(config)
+        for model, gate in self.gates.items():
+            gate.reconfigure(config.for_model(self._infos[model].max_batch_size))
 
     def close(self) -> None:
         for gate in self.gates.values():

@@ -202,6 +202,48 @@ async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None
         assert watch.widest == 2, watch.widest
 
 
+DEFAULT_LANE_POLICY: dict[str, Any] = {
+    # Classes and nothing else about the lane: offline has no SLO and ranks below real-time,
+    # so each model's gate derives its lane (accel_sim's max_batch_size 16: 8 per instance,
+    # 2 while its queue moves, one instance spare).
+    "scheduling": {
+        **POLICY["scheduling"],
+        "classes": {
+            "realtime": POLICY["scheduling"]["classes"]["realtime"],
+            "offline": {
+                "rank": 1,
+                "triton_priority": 3,
+                "queue_timeout_s": 120,
+                "spare_idle_s": 60,  # kept for real-time throughout the test
+                "deepen_after_s": 0.02,  # as SHALLOW_POLICY: a queue stuck for 20 ms deepens
+            },
+        },
+    },
+}
+
+
+async def test_a_throughput_class_gets_a_lane_derived_from_the_model(triton_fleet: Any) -> None:
+    watch = LaneWatch()
+    with running_proxy(triton_fleet.servers, DEFAULT_LANE_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            send = functools.partial(post, session)
+
+            assert await send(RT_KEY, 16) == 200  # real-time has been active
+            assert p.runtime.gates is not None
+            offline = p.runtime.gates.classes("accel_sim").classes["offline"]
+            assert (offline.max_per_instance, offline.shallow_per_instance) == (8, 2)
+            assert offline.spare_instances == 1
+            many = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(60)]
+            await asyncio.sleep(0.3)
+            realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
+            statuses = await asyncio.gather(*many)
+        assert set(statuses) == {200} and set(realtime) == {200}
+        assert watch.dispatches["offline"] == 60
+        assert max(watch.peak.values()) == 8, watch.peak
+        assert watch.widest == 2, watch.widest
+
+
 LIGHT_POLICY: dict[str, Any] = {
     **LANE_POLICY,
     "routing": {

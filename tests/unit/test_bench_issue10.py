@@ -21,12 +21,14 @@ from proxy.bench.arms import (
     PRESETS,
     PREVIOUS_CONCURRENCY,
     SHALLOW_DEPTH,
+    ArmPlan,
     parse_vm_rss_mib,
     proxy_policy,
     read_rss_mib,
     resolve_arms,
+    scheduling_section,
 )
-from proxy.bench.capacity import class_capacity, fifo_batches, fifo_capacity
+from proxy.bench.capacity import ACCEL_SIM_MAX_BATCH, class_capacity, fifo_batches, fifo_capacity
 from proxy.bench.report import render_table
 from proxy.bench.results import (
     PROXY_COPIES,
@@ -783,22 +785,25 @@ def test_the_class_default_arm_is_what_a_file_with_classes_and_no_routing_gets(s
     one that is today's default, so a change of CLASS_POLICY must name its arm here."""
     sc = load_scenario(ROOT / "benchmarks" / "issue10" / scenario)
     arm = CATALOG[CLASS_DEFAULT_ARM]
-    bare = replace(arm, policy=None, policy_params=None, routing=None)
-    doc = proxy_policy(SERVERS, bare, sc)
-    assert "policy" not in doc["routing"] and doc["routing"] == {}
+    # What a user writes: the classes, nothing else (no routing, no lane, no scheduling keys).
+    doc = proxy_policy(SERVERS, ArmPlan("bare", "proxy", "", classes=True), sc)
+    assert doc["routing"] == {}
+    doc["scheduling"] = scheduling_section(sc)
+    today = config_mod.parse(doc, "<t>")
     measured = config_mod.parse(proxy_policy(SERVERS, arm, sc), "<t>")
-    assert measured.routing == config_mod.parse(doc, "<t>").routing
-    scheduling = measured.scheduling
-    assert scheduling is not None
-    defaults = SchedulingConfig(
-        classes=scheduling.classes,
-        default_class=scheduling.default_class,
-        api_keys=scheduling.api_keys,
+    assert measured.routing == today.routing
+    assert measured.scheduling is not None and today.scheduling is not None
+    # The arm spells its lowest class's lane out; the default derives it from the model.
+    lowest = today.scheduling.default_class
+    assert today.scheduling.lane_classes() == (lowest,)
+    assert measured.scheduling.lane_classes() == ()
+    assert measured.scheduling.classes == today.scheduling.for_model(ACCEL_SIM_MAX_BATCH).classes
+    assert replace(measured.scheduling, classes=today.scheduling.classes) == replace(
+        today.scheduling, throughput_lane=measured.scheduling.throughput_lane
     )
-    assert scheduling == defaults
 
 
-def test_class_default_arms_keep_their_slots_and_adaptive_is_todays_default():
+def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default():
     sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
 
     def scheduling(arm: str):
@@ -809,9 +814,13 @@ def test_class_default_arms_keep_their_slots_and_adaptive_is_todays_default():
     # measured before adaptive concurrency became a default: the slots derived from the model
     assert not scheduling("proxy_classes_default").adaptive()
     assert not scheduling("proxy_least_requests+classes").adaptive()
-    today = scheduling("proxy_classes_default+adaptive")
-    assert today.adaptive()
+    # measured before the derived lane of throughput classes became one (session 34)
+    for arm in ("proxy_classes_default", "proxy_least_requests+classes", "proxy_previous_best"):
+        assert not scheduling(arm).lane_classes()
+        assert scheduling(arm).for_model(ACCEL_SIM_MAX_BATCH) == scheduling(arm)
+    then = scheduling("proxy_classes_default+adaptive")
+    assert then.adaptive()
     defaults = SchedulingConfig(
-        classes=today.classes, default_class=today.default_class, api_keys=today.api_keys
+        classes=then.classes, default_class=then.default_class, api_keys=then.api_keys
     )
-    assert today == defaults
+    assert then == replace(defaults, throughput_lane=False)

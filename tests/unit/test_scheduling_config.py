@@ -11,6 +11,7 @@ from proxy.scheduling.config import (
     ClassConfig,
     SchedulingConfig,
     derive_concurrency,
+    derived_lane,
     load_scheduling,
 )
 from proxy.strict import ConfigError
@@ -178,3 +179,57 @@ def test_slot_sharing_defaults_to_shared_and_refuses_unknown_values() -> None:
     assert load_scheduling({"slot_sharing": "by_rank"}).slot_sharing == "by_rank"
     with pytest.raises(ConfigError, match="slot_sharing"):
         load_scheduling({"slot_sharing": "per_class"})
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "lane"),
+    [(0, None), (1, None), (2, (1, 1)), (4, (2, 1)), (16, (8, 2)), (128, (64, 16))],
+)
+def test_derived_lane_is_half_a_batch_and_a_quarter_of_that_while_it_moves(
+    max_batch_size: int, lane: tuple[int, int] | None
+) -> None:
+    assert derived_lane(max_batch_size) == lane
+
+
+def test_the_default_classes_give_offline_a_lane_per_model() -> None:
+    config = load_scheduling(None)
+    assert config.lane_classes() == ("offline",)
+    per_model = config.for_model(16)
+    offline = per_model.classes["offline"]
+    assert (offline.max_per_instance, offline.shallow_per_instance, offline.spare_instances) == (
+        8,
+        2,
+        1,
+    )
+    # Everything else as written: the other classes, and offline's own keys.
+    assert offline.max_share == config.classes["offline"].max_share == 0.5
+    assert {n: c for n, c in per_model.classes.items() if n != "offline"} == {
+        n: c for n, c in config.classes.items() if n != "offline"
+    }
+    assert config.for_model(1) is config  # nothing batches, nothing pads: no lane
+
+
+@pytest.mark.parametrize(
+    ("classes", "extra", "lanes"),
+    [
+        # no class has an SLO: nothing to protect
+        ({"a": {"rank": 0}, "b": {"rank": 1}}, {}, ()),
+        # a lane of its own wins
+        ({"rt": {"rank": 0, "slo_p99_ms": 50}, "off": {"rank": 1, "max_per_instance": 3}}, {}, ()),
+        # a throughput class ranked above every SLO class pads nobody's batches but its own
+        ({"bulk": {"rank": 0}, "rt": {"rank": 1, "slo_p99_ms": 50}}, {}, ()),
+        # turned off
+        ({"rt": {"rank": 0, "slo_p99_ms": 50}, "off": {"rank": 1}}, {"throughput_lane": False}, ()),
+        # every throughput class below an SLO class, in file order
+        (
+            {"b": {"rank": 2}, "rt": {"rank": 0, "slo_p99_ms": 50}, "a": {"rank": 1}},
+            {},
+            ("b", "a"),
+        ),
+    ],
+)
+def test_lane_classes(classes: dict[str, Any], extra: dict[str, Any], lanes: tuple[str]) -> None:
+    config = load_scheduling({"default_class": next(iter(classes)), "classes": classes, **extra})
+    assert config.lane_classes() == lanes
+    if not lanes:
+        assert config.for_model(16) is config

@@ -406,3 +406,50 @@ def test_top_class_answers_sent_beside_long_work_never_cut_adaptive_slots() -> N
     assert "down" in feed(beside_long=False)
     assert gates.slot_limit("a", "m") < start
     gates.close()
+
+
+async def test_a_models_gate_derives_the_lane_of_a_throughput_class() -> None:
+    # Offline has no SLO and no lane of its own: accel_sim-like max_batch_size 16 gives it 8
+    # per instance over all but one instance, 2 while its queue moves (SchedulingConfig.
+    # for_model); the tickets carry the depth placement caps each instance at.
+    clock = FakeClock()
+    specs = tuple(InstanceSpec(n, f"http://127.0.0.1:{k + 1}") for k, n in enumerate("abc"))
+    fleet = Fleet(specs, HealthConfig(), clock)
+    section = {
+        "default_class": "off",
+        "concurrency": 64,
+        "classes": {"rt": {"rank": 0, "slo_p99_ms": 100}, "off": {"rank": 1}},
+    }
+    info = ModelInfo(max_batch_size=16, priority_levels=0, model_instances=1, decoupled=False)
+    for lane, shallow, deep in ((True, 4, 16), (False, 40, 40)):
+        gates = ModelGates(
+            load_scheduling({**section, "throughput_lane": lane}), fleet, clock, RecordingObserver()
+        )
+        hold = asyncio.Event()
+        depths: list[int | None] = []
+
+        async def request(
+            cls: str, g: ModelGates = gates, seen: list = depths, hold: asyncio.Event = hold
+        ) -> None:
+            admission = g.admit("m", info, cls)
+            async with admission:
+                seen.append(admission.depth)
+                await hold.wait()
+
+        tasks = [asyncio.create_task(request("rt"))]  # real-time active: the spare is kept
+        await settle()
+        tasks += [asyncio.create_task(request("off")) for _ in range(40)]
+        await settle()
+        assert gates.gates["m"].in_flight() - 1 == shallow
+        clock.advance(1.0)  # offline's oldest has waited deepen_after_s: the lane deepens
+        gates.poke()
+        await settle()
+        assert gates.gates["m"].in_flight() - 1 == deep
+        assert set(depths[1:]) == ({2, 8} if lane else {None})
+        hold.set()
+        await asyncio.gather(*tasks)
+        # A reload derives the lane again for every model's gate.
+        assert gates.classes("m").classes["off"].max_per_instance == (8 if lane else None)
+        gates.reconfigure(load_scheduling({**section, "throughput_lane": not lane}))
+        assert gates.classes("m").classes["off"].max_per_instance == (None if lane else 8)
+        gates.close()
