@@ -365,7 +365,7 @@ class SchedulingConfig:
     ``shallow_per_instance`` a quarter of that, ``spare_instances: 1``. Without it, a burst
     of the class's long requests fills every instance's batches, and the classes with an SLO
     wait behind them: issue 10's benchmark measured the class default collapse at 1-2x the
-    fleet's FIFO capacity without a lane (``burst.yaml`` real-time 40-77 % within its SLO)
+    fleet's FIFO capacity without a lane (``burst.yaml`` real-time 39-77 % within its SLO)
     and hold every SLO with it (docs/benchmarks.md, thirty-fourth round). ``false``: such
     classes run uncapped (the behaviour before session 34). Models with a ``max_batch_size``
     under 2 batch nothing, so nothing pads: no lane there."""
