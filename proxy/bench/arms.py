@@ -400,6 +400,19 @@ def _catalog() -> dict[str, ArmPlan]:
                 ("+by_rank", ", slot_sharing by_rank", {"slot_sharing": "by_rank"}),
             )
         ),
+        replace(
+            _class_default(
+                "proxy_classes_default+adaptive+reserve+lane16",
+                "proxy_classes_default+adaptive+reserve+lane with a full batch of requests "
+                "per lane instance (max_per_instance 16, shallow_per_instance 4): for a "
+                "throughput class of one-row requests, a full batch of rows",
+                params={"short_reserve": 1},
+                scheduling={"adaptive_concurrency": {"enabled": True}},
+            ),
+            lowest_max_per_instance=16,
+            lowest_spare_instances=1,
+            lowest_shallow_per_instance=4,
+        ),
         _class_default(
             "proxy_classes_default+adaptive+late",
             "proxy_classes_default with adaptive concurrency instead of the derived fixed slots "
