@@ -469,7 +469,7 @@ class Dispatcher:
         batch = r.info.max_batch_size if r.info is not None else 1
         cap = depth
         if cap is None and arm.admission is not None:
-            cls = arm.admission.classes(call.model).classes.get(klass)
+            cls = arm.admission.config_for(call.model).classes.get(klass)
             cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0

@@ -452,8 +452,8 @@ class SchedulingConfig:
         """This section as the gate of a model with ``max_batch_size`` enforces it: each of
         :meth:`lane_classes` with its :func:`derived_lane` (itself when there is none)."""
         lane = derived_lane(max_batch_size)
-        names = self.lane_classes() if lane is not None else ()
-        if not names or lane is None:
+        names = self.lane_classes()
+        if lane is None or not names:
             return self
         depth, shallow = lane
         classes = dict(self.classes)

@@ -181,7 +181,7 @@ class ModelGates:
         gate = self.gates.get(model)
         return gate.lateness.inside(class_name) if gate is not None else 0.0
 
-    def classes(self, model: str) -> SchedulingConfig:
+    def config_for(self, model: str) -> SchedulingConfig:
         """The section as ``model``'s gate enforces it (:meth:`SchedulingConfig.for_model`:
         the derived lanes of throughput classes), or as written before the gate exists."""
         gate = self.gates.get(model)

@@ -251,7 +251,7 @@ async def test_a_throughput_class_gets_a_lane_derived_from_the_model(triton_flee
 
             assert await send(RT_KEY, 16) == 200  # real-time has been active
             assert p.runtime.gates is not None
-            offline = p.runtime.gates.classes("accel_sim").classes["offline"]
+            offline = p.runtime.gates.config_for("accel_sim").classes["offline"]
             assert (offline.max_per_instance, offline.shallow_per_instance) == (8, 2)
             assert offline.spare_instances == 1
             many = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(60)]

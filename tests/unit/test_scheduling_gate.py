@@ -449,7 +449,7 @@ async def test_a_models_gate_derives_the_lane_of_a_throughput_class() -> None:
         hold.set()
         await asyncio.gather(*tasks)
         # A reload derives the lane again for every model's gate.
-        assert gates.classes("m").classes["off"].max_per_instance == (8 if lane else None)
+        assert gates.config_for("m").classes["off"].max_per_instance == (8 if lane else None)
         gates.reconfigure(load_scheduling({**section, "throughput_lane": not lane}))
-        assert gates.classes("m").classes["off"].max_per_instance == (None if lane else 8)
+        assert gates.config_for("m").classes["off"].max_per_instance == (None if lane else 8)
         gates.close()
