@@ -328,6 +328,17 @@ def _catalog() -> dict[str, ArmPlan]:
     ]
     plans += [
         ArmPlan(
+            "proxy_least_requests+classes+lane",
+            "proxy",
+            "proxy_least_requests+classes with the throughput class's derived lane "
+            "(scheduling.throughput_lane, the default since session 34)",
+            policy="least_requests",
+            classes=True,
+            scheduling={"throughput_lane": True},
+        ),
+    ]
+    plans += [
+        ArmPlan(
             "proxy_previous_best",
             "proxy",
             "triton-proxy before issue 10: least_requests + classes, fixed concurrency "
