@@ -16,13 +16,24 @@ from proxy.local import TritonServer
 pytestmark = pytest.mark.integration
 
 
-def _rows(client: httpclient.InferenceServerClient, rows: int) -> tuple[int, int]:
-    ids = np.arange(rows * 16, dtype=np.int64).reshape(rows, 16)
-    tensor = httpclient.InferInput("INPUT_IDS", list(ids.shape), "INT64")
-    tensor.set_data_from_numpy(ids)
-    result = client.infer("accel_sim", [tensor])
-    batch_rows = int(result.as_numpy("BATCH_SIZE")[0, 0])
-    return batch_rows, int(result.as_numpy("BATCH_COST_US")[0, 0])
+def _one_by_one(url: str, requests: int, rows: int) -> list[tuple[int, int]]:
+    """Each request's batch rows and cost, sent one after the other (each a batch of its own).
+    The client lives and dies in this one thread: tritonclient's HTTP client is gevent's, whose
+    hub belongs to the thread that made it (a pool thread other than its maker fails with
+    "Cannot switch to a different thread", seen once in CI)."""
+    client = httpclient.InferenceServerClient(url)
+    try:
+        seen = []
+        for _ in range(requests):
+            ids = np.arange(rows * 16, dtype=np.int64).reshape(rows, 16)
+            tensor = httpclient.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+            tensor.set_data_from_numpy(ids)
+            result = client.infer("accel_sim", [tensor])
+            batch_rows = int(result.as_numpy("BATCH_SIZE")[0, 0])
+            seen.append((batch_rows, int(result.as_numpy("BATCH_COST_US")[0, 0])))
+        return seen
+    finally:
+        client.close()
 
 
 def test_the_trace_shows_the_batches_a_triton_ran(triton_servers: list[TritonServer]) -> None:
@@ -41,11 +52,8 @@ def test_the_trace_shows_the_batches_a_triton_ran(triton_servers: list[TritonSer
                 if now == before:
                     break
                 before = now
-            client = httpclient.InferenceServerClient(servers[0].http_url.removeprefix("http://"))
-            try:  # one by one, so each request is a batch of its own
-                seen = [await asyncio.to_thread(_rows, client, 3) for _ in range(4)]
-            finally:
-                client.close()
+            url = servers[0].http_url.removeprefix("http://")
+            seen = await asyncio.to_thread(_one_by_one, url, 4, 3)
             after = dict(await probe.sample())
         finally:
             await probe.aclose()
