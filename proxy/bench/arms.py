@@ -396,33 +396,34 @@ def _catalog() -> dict[str, ArmPlan]:
             replace(
                 _class_default(
                     f"proxy_classes_default+adaptive+reserve+lane{suffix}",
-                    "proxy_classes_default+adaptive+reserve whose lowest class runs in "
-                    f"policies/mixed-traffic.yaml's lane (max_per_instance {LANE_DEPTH}, "
-                    f"spare_instances 1, shallow_per_instance {SHALLOW_DEPTH}){what}",
+                    "proxy_classes_default+adaptive+reserve whose lowest class runs in a lane "
+                    f"(max_per_instance {depth}, spare_instances 1, shallow_per_instance "
+                    f"{shallow}){what}",
                     params={"short_reserve": 1},
                     scheduling={"adaptive_concurrency": {"enabled": True}, **scheduling},
                 ),
-                lowest_max_per_instance=LANE_DEPTH,
+                lowest_max_per_instance=depth,
                 lowest_spare_instances=1,
-                lowest_shallow_per_instance=SHALLOW_DEPTH,
+                lowest_shallow_per_instance=shallow,
             )
-            for suffix, what, scheduling in (
-                ("", "", {}),
-                ("+by_rank", ", slot_sharing by_rank", {"slot_sharing": "by_rank"}),
+            for suffix, depth, shallow, what, scheduling in (
+                ("", LANE_DEPTH, SHALLOW_DEPTH, ": policies/mixed-traffic.yaml's", {}),
+                (
+                    "+by_rank",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    ": policies/mixed-traffic.yaml's, slot_sharing by_rank",
+                    {"slot_sharing": "by_rank"},
+                ),
+                (
+                    "16",
+                    16,
+                    4,
+                    ": a full batch of requests per lane instance, for a throughput class of "
+                    "one-row requests a full batch of rows",
+                    {},
+                ),
             )
-        ),
-        replace(
-            _class_default(
-                "proxy_classes_default+adaptive+reserve+lane16",
-                "proxy_classes_default+adaptive+reserve+lane with a full batch of requests "
-                "per lane instance (max_per_instance 16, shallow_per_instance 4): for a "
-                "throughput class of one-row requests, a full batch of rows",
-                params={"short_reserve": 1},
-                scheduling={"adaptive_concurrency": {"enabled": True}},
-            ),
-            lowest_max_per_instance=16,
-            lowest_spare_instances=1,
-            lowest_shallow_per_instance=4,
         ),
         _class_default(
             "proxy_classes_default+adaptive+late",

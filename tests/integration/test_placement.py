@@ -64,20 +64,25 @@ async def post(session: aiohttp.ClientSession, key: str, tokens: int) -> int:
 
 
 class PerInstance(GateObserver):
-    """On every dispatch, the most offline requests any one instance held."""
+    """On every dispatch, the most offline requests any one instance held, and the most held
+    over the fleet at once."""
 
     def __init__(self) -> None:
         self.proxy: ProxyThread | None = None
         self.peak: Counter[str] = Counter()
         self.dispatches: Counter[str] = Counter()
+        self.total = 0
 
     def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
         self.dispatches[class_name] += 1
         if self.proxy is None:
             return
+        total = 0
         for inst in self.proxy.runtime.fleet.all():
             held = inst.class_in_flight.get(("accel_sim", "offline"), 0)
             self.peak[inst.name] = max(self.peak[inst.name], held)
+            total += held
+        self.total = max(self.total, total)
 
 
 async def test_a_class_capped_per_instance_never_exceeds_its_cap(triton_fleet: Any) -> None:
@@ -222,28 +227,11 @@ DEFAULT_LANE_POLICY: dict[str, Any] = {
 }
 
 
-class TotalWatch(PerInstance):
-    """Also: the most offline requests in flight over the fleet at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
-        super().on_dispatch(class_name, waited_s, order)
-        if self.proxy is not None:
-            held = (
-                i.class_in_flight.get(("accel_sim", "offline"), 0)
-                for i in self.proxy.runtime.fleet.all()
-            )
-            self.total = max(self.total, sum(held))
-
-
 async def test_a_throughput_class_gets_a_lane_derived_from_the_model(triton_fleet: Any) -> None:
     # The gate admits at most the lane's 8 x (3 - 1 spare) = 16 and placement caps each
     # instance at 8. Which instances hold them is the routing policy's: the class default
     # packs offline into the lane under load or backlog, and may spread it below that.
-    watch = TotalWatch()
+    watch = PerInstance()
     with running_proxy(triton_fleet.servers, DEFAULT_LANE_POLICY, gate_observer=watch) as p:
         watch.proxy = p
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
