@@ -73,8 +73,9 @@ class ExpectedFinishParams:
     Measured (docs/benchmarks.md, issue 10, thirty-third round, 3 repetitions, once the reserve
     acted before placement's slot filter): at ``online_burst.yaml`` x2 every SLO held in all
     three repetitions (real-time P99 59-62 ms against 171-312 without it, offline above its
-    floor), level on the five scenarios at x1-x2. On in ``policies/mixed-traffic.yaml``; off
-    (0) by default."""
+    floor), level on the five scenarios at x1-x2. On in ``policies/mixed-traffic.yaml`` and,
+    since the thirty-fourth round, in the class default (``proxy.routing.config.CLASS_POLICY``);
+    off (0) where a file names ``expected_finish`` without it."""
 
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
