@@ -176,6 +176,7 @@ class Runtime:
                 clock,
                 self._gate_observer,
                 workers=self.workers,
+                packs_long=self._packs_long,
             )
             classifier = Classifier(config.scheduling)
         self.observers = RequestObservers([RequestTelemetry(telemetry)])
@@ -254,6 +255,12 @@ class Runtime:
 
     def _canary_keeps_sessions(self, model: str) -> bool:
         return (self.canary_router or self.router).keeps_sessions(model)  # as _place_canary
+
+    def _packs_long(self, model: str) -> bool:
+        return self.router.packs_long(model)  # the router in place: a reload swaps it first
+
+    def _canary_packs_long(self, model: str) -> bool:
+        return (self.canary_router or self.router).packs_long(model)
 
     def _woke(self, instance: str) -> None:
         self.telemetry.wakes.labels(instance).inc()
@@ -357,6 +364,7 @@ class Runtime:
             stats,
             observer=self._decided_canary,
         )
+        self.canary_router = router  # before its gates: they read its policies (packs_long)
         if canary.scheduling is None:
             self.canary_gates = None
             admission, classifier = self.gates, d.classifier
@@ -365,13 +373,17 @@ class Runtime:
             scheduling = per_worker_scheduling(canary.scheduling, self.workers)
             if self.canary_gates is None:
                 self.canary_gates = ModelGates(
-                    scheduling, self.fleet, self.clock, self._gate_observer, workers=self.workers
+                    scheduling,
+                    self.fleet,
+                    self.clock,
+                    self._gate_observer,
+                    workers=self.workers,
+                    packs_long=self._canary_packs_long,
                 )
             else:
                 self.canary_gates.reconfigure(scheduling)
             admission, classifier = self.canary_gates, Classifier(canary.scheduling)
             self._set_gate_shares(1.0 - canary.share, canary.share)
-        self.canary_router = router
         d.canary = Arm(CANARY, self.canary_placement, admission, classifier)
         d.splitter = Splitter(canary.share, canary.split, self.rng)
 
@@ -481,6 +493,7 @@ class Runtime:
                 self.clock,
                 self._gate_observer,
                 workers=self.workers,
+                packs_long=self._packs_long,
             )
         else:
             self.gates.reconfigure(self._scheduling(config))

@@ -330,11 +330,15 @@ def _catalog() -> dict[str, ArmPlan]:
         ArmPlan(
             "proxy_least_requests+classes+lane",
             "proxy",
-            "proxy_least_requests+classes with the throughput class's derived lane "
-            "(scheduling.throughput_lane, the default since session 34)",
+            "proxy_least_requests+classes with the lane scheduling.throughput_lane derives "
+            "for the benchmark's model under a policy that packs (8 per instance, 2 while "
+            "the queue moves, 1 spare); set in the file: since session 35 a policy that does "
+            "not pack gets none",
             policy="least_requests",
             classes=True,
-            scheduling={"throughput_lane": True},
+            lowest_max_per_instance=8,
+            lowest_shallow_per_instance=2,
+            lowest_spare_instances=1,
         ),
     ]
     plans += [

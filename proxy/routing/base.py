@@ -147,6 +147,10 @@ class Policy(Protocol):
     keeps_sessions: bool
     """Whether decisions follow ``RouteRequest.session_key`` (a session stays on its
     instance): nothing may then move a keyed request elsewhere (``proxy.routing.wake``)."""
+    packs_long: bool
+    """Whether the policy gathers long work onto few instances when the fleet is busy (a
+    *long lane*), keeping the others' batches short: only then does a throughput class get
+    the lane :attr:`proxy.scheduling.config.SchedulingConfig.throughput_lane` derives."""
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         """Pick one of ``candidates`` (never empty). The definition of the policy: linear in

@@ -68,6 +68,7 @@ class ConsistentHash:
 
     reads_ahead = False
     keeps_sessions = True
+    packs_long = False
     keep_off = keep_none
 
     def __init__(self, params: ConsistentHashParams, rng: random.Random) -> None:

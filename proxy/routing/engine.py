@@ -117,6 +117,10 @@ class Router:
         """Whether ``model``'s policy places requests by their session key."""
         return self.policy(model)[1].keeps_sessions
 
+    def packs_long(self, model: str) -> bool:
+        """Whether ``model``'s policy gathers long work into a lane (``Policy.packs_long``)."""
+        return self.policy(model)[1].packs_long
+
     def prepare_one(
         self, c: Candidate, model: str, now: float, strip: bool, evaluate: bool = True
     ) -> tuple[Candidate, int, float | None, float | None]:

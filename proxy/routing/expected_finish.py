@@ -148,6 +148,7 @@ class ExpectedFinish:
         self.params = params
         self._rng = rng
         pack_above = params.pack_above
+        self.packs_long = pack_above is not None
         self._lane = (
             None
             if pack_above is None

@@ -212,6 +212,7 @@ class ExpectedStart:
     def __init__(self, params: ExpectedStartParams, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
+        self.packs_long = params.long_placement == "pack"
 
     def packs(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work placed by ``pack`` (at this occupancy)."""

@@ -35,6 +35,7 @@ class LeastConnections:
 
     reads_ahead = False
     keeps_sessions = False
+    packs_long = False
     keep_off = keep_none
 
     def __init__(self, params: LeastConnectionsParams, rng: random.Random) -> None:

@@ -39,6 +39,7 @@ class LeastRequests:
 
     reads_ahead = False
     keeps_sessions = False
+    packs_long = False
     keep_off = keep_none
 
     def __init__(self, params: LeastRequestsParams, rng: random.Random) -> None:

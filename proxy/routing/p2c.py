@@ -28,6 +28,7 @@ class PowerOfTwoChoices:
 
     reads_ahead = False
     keeps_sessions = False
+    packs_long = False
     keep_off = keep_none
 
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:

@@ -87,6 +87,7 @@ class WeightedScore:
 
     reads_ahead = False
     keeps_sessions = False
+    packs_long = False
     keep_off = keep_none
 
     def __init__(self, params: WeightedScoreParams, rng: random.Random) -> None:

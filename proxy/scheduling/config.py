@@ -368,7 +368,13 @@ class SchedulingConfig:
     fleet's FIFO capacity without a lane (``burst.yaml`` real-time 39-77 % within its SLO)
     and hold every SLO with it (docs/benchmarks.md, thirty-fourth round). ``false``: such
     classes run uncapped (the behaviour before session 34). Models with a ``max_batch_size``
-    under 2 batch nothing, so nothing pads: no lane there."""
+    under 2 batch nothing, so nothing pads: no lane there. Nor on a model whose routing
+    policy does not gather long work into a lane (``Policy.packs_long``: the class default
+    ``expected_finish`` with ``pack_above``, ``expected_start`` with ``long_placement:
+    pack``): under ``least_requests`` the more important classes land on the lane's
+    instances anyway, and at 2x ``burst.yaml``'s capacity the lane cost offline its
+    ``min_share`` floor (51-65 completions per window against 71; 181-194 without it;
+    docs/benchmarks.md, thirty-fourth round). Re-derived on every reload."""
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -448,12 +454,14 @@ class SchedulingConfig:
             if c.slo_p99_ms is None and c.max_per_instance is None and c.rank > best
         )
 
-    def for_model(self, max_batch_size: int) -> SchedulingConfig:
+    def for_model(self, max_batch_size: int, packs_long: bool = True) -> SchedulingConfig:
         """This section as the gate of a model with ``max_batch_size`` enforces it: each of
-        :meth:`lane_classes` with its :func:`derived_lane` (itself when there is none)."""
+        :meth:`lane_classes` with its :func:`derived_lane` (itself when there is none).
+        ``packs_long``: whether the model's routing policy gathers long work into a lane
+        (``proxy.routing.base.Policy.packs_long``); without it no lane is derived."""
         lane = derived_lane(max_batch_size)
         names = self.lane_classes()
-        if lane is None or not names:
+        if lane is None or not names or not packs_long:
             return self
         depth, shallow = lane
         classes = dict(self.classes)

@@ -8,7 +8,7 @@ wait in the proxy's class queues, where the order is ours.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.clock import Clock
 from proxy.control.concurrency import AdaptiveConcurrency
@@ -65,6 +65,11 @@ class ModelAdmission(AdmissionBase):
         return self._priority
 
 
+def _packs_long(model: str) -> bool:
+    """``ModelGates.packs_long`` without a router: every model's routing packs."""
+    return True
+
+
 class ModelGates:
     def __init__(
         self,
@@ -74,8 +79,13 @@ class ModelGates:
         observer: GateObserver,
         *,
         workers: int = 1,
+        packs_long: Callable[[str], bool] = _packs_long,
     ) -> None:
         self.config = config
+        self.packs_long = packs_long
+        """Whether a model's routing gathers long work into a lane (``Router.packs_long``,
+        read when its gate is made and on every reconfigure): only then are throughput
+        classes given a derived lane (:meth:`SchedulingConfig.for_model`)."""
         self.workers = workers
         """Proxy processes sharing the fleet: each takes ``ceil(1/workers)`` of the slots."""
         self.fleet = fleet
@@ -192,7 +202,7 @@ class ModelGates:
         if gate is None:
             self._infos[model] = info
             gate = self.gates[model] = Gate(
-                self.config.for_model(info.max_batch_size),
+                self.config.for_model(info.max_batch_size, self.packs_long(model)),
                 lambda: self.capacity(info, model),
                 self.clock,
                 self.observer,
@@ -239,7 +249,8 @@ class ModelGates:
             self.adaptive = self._new_adaptive(config)
         self.config = config
         for model, gate in self.gates.items():
-            gate.reconfigure(config.for_model(self._infos[model].max_batch_size))
+            info = self._infos[model]
+            gate.reconfigure(config.for_model(info.max_batch_size, self.packs_long(model)))
 
     def close(self) -> None:
         for gate in self.gates.values():

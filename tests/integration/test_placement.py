@@ -14,8 +14,9 @@ import aiohttp
 import numpy as np
 import pytest
 
+from proxy import config as config_mod
 from proxy.scheduling import GateObserver
-from tests.integration.harness import ProxyThread, running_proxy, until
+from tests.integration.harness import ProxyThread, policy_for, running_proxy, until
 
 pytestmark = pytest.mark.integration
 
@@ -246,10 +247,23 @@ async def test_a_throughput_class_gets_a_lane_derived_from_the_model(triton_flee
             await asyncio.sleep(0.3)
             realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
             statuses = await asyncio.gather(*many)
-        assert set(statuses) == {200} and set(realtime) == {200}
-        assert watch.dispatches["offline"] == 60
-        assert max(watch.peak.values()) == 8, watch.peak
-        assert watch.total <= 16, watch.total
+            assert set(statuses) == {200} and set(realtime) == {200}
+            assert watch.dispatches["offline"] == 60
+            assert max(watch.peak.values()) == 8, watch.peak
+            assert watch.total <= 16, watch.total
+
+            # A reload to a policy that does not gather long work into a lane takes the
+            # lane away: least_requests would spread real-time onto its instances anyway.
+            spread = {**DEFAULT_LANE_POLICY, "routing": {"policy": {"name": "least_requests"}}}
+            doc = config_mod.parse(policy_for(triton_fleet.servers, spread), "<test>")
+            p.call(p.runtime.apply(doc))
+            offline = p.runtime.gates.config_for("accel_sim").classes["offline"]
+            assert offline.max_per_instance is None and offline.spare_instances == 0
+            watch.total = 0
+            assert await send(RT_KEY, 16) == 200
+            again = await asyncio.gather(*(send(OFF_KEY, 512) for _ in range(60)))
+        assert set(again) == {200}
+        assert watch.total > 16, watch.total
 
 
 LIGHT_POLICY: dict[str, Any] = {

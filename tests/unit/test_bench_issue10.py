@@ -824,3 +824,18 @@ def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default
         classes=then.classes, default_class=then.default_class, api_keys=then.api_keys
     )
     assert then == replace(defaults, throughput_lane=False)
+
+
+def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derives():
+    """Measured in session 34 when throughput_lane derived it under every policy; since
+    session 35 only a policy that packs gets it, so the arm writes the same lane itself."""
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "burst.yaml")
+
+    def scheduling(arm: str):
+        parsed = config_mod.parse(proxy_policy(SERVERS, CATALOG[arm], sc), "<t>").scheduling
+        assert parsed is not None
+        return parsed
+
+    lane = scheduling("proxy_least_requests+classes+lane")
+    derived = replace(scheduling("proxy_least_requests+classes"), throughput_lane=True)
+    assert lane.classes == derived.for_model(ACCEL_SIM_MAX_BATCH, packs_long=True).classes

@@ -197,6 +197,26 @@ def test_registry_lists_every_policy() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "params", "packs"),
+    [
+        ("expected_finish", {"pack_above": 0.9}, True),  # the class default's
+        ("expected_finish", {}, False),
+        ("expected_start", {"long_placement": "pack"}, True),
+        ("expected_start", {}, False),
+        *(
+            (name, {}, False)
+            for name in sorted(set(POLICIES) - {"expected_start", "expected_finish"})
+        ),
+    ],
+)
+def test_only_policies_that_gather_long_work_into_a_lane_say_they_pack(
+    name: str, params: dict[str, Any], packs: bool
+) -> None:
+    # Read by the gates: a throughput class gets its derived lane only under such a policy.
+    assert build_policy(name, params, random.Random(0)).packs_long is packs
+
+
+@pytest.mark.parametrize(
     ("name", "params", "match"),
     [
         ("leastconn", {}, r"routing\.policy\.name: unknown routing policy 'leastconn'; known"),

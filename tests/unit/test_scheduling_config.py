@@ -207,6 +207,7 @@ def test_the_default_classes_give_offline_a_lane_per_model() -> None:
         n: c for n, c in config.classes.items() if n != "offline"
     }
     assert config.for_model(1) is config  # nothing batches, nothing pads: no lane
+    assert config.for_model(16, packs_long=False) is config  # nothing would keep it a lane
 
 
 @pytest.mark.parametrize(

@@ -453,3 +453,30 @@ async def test_a_models_gate_derives_the_lane_of_a_throughput_class() -> None:
         gates.reconfigure(load_scheduling({**section, "throughput_lane": not lane}))
         assert gates.config_for("m").classes["off"].max_per_instance == (None if lane else 8)
         gates.close()
+
+
+def test_only_a_model_whose_routing_packs_long_work_gets_the_derived_lane() -> None:
+    # ModelGates asks per model whether its routing gathers long work into a lane, when the
+    # gate is made and on every reconfigure (a reload may change the model's policy).
+    clock = FakeClock()
+    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
+    config = load_scheduling(
+        {
+            "default_class": "off",
+            "classes": {"rt": {"rank": 0, "slo_p99_ms": 100}, "off": {"rank": 1}},
+        }
+    )
+    packing = {"packs": True, "spreads": False}
+    gates = ModelGates(config, fleet, clock, RecordingObserver(), packs_long=packing.__getitem__)
+    info = ModelInfo(max_batch_size=16, priority_levels=0, model_instances=1, decoupled=False)
+    for model in packing:
+        gates.gate(model, info)
+
+    def lanes() -> dict[str, int | None]:
+        return {m: gates.config_for(m).classes["off"].max_per_instance for m in packing}
+
+    assert lanes() == {"packs": 8, "spreads": None}
+    packing["packs"], packing["spreads"] = False, True
+    gates.reconfigure(config)
+    assert lanes() == {"packs": None, "spreads": 8}
+    gates.close()
