@@ -427,6 +427,13 @@ def _catalog() -> dict[str, ArmPlan]:
                     "one-row requests a full batch of rows",
                     {},
                 ),
+                (
+                    "+late",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    ": policies/mixed-traffic.yaml's, deadline admission (shed_late)",
+                    {"shed_late": True},
+                ),
             )
         ),
         _class_default(
