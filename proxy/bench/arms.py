@@ -195,7 +195,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
@@ -971,6 +971,8 @@ def proxy_policy(
         # reads the document.
         if load_scheduling(section).lane_classes():
             section["throughput_lane"] = False
+        # And deadline admission (on by default where routing packs, since session 35).
+        section["shed_late"] = False
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

@@ -334,14 +334,22 @@ class SchedulingConfig:
     distinct rank (plus the reservations), not ``capacity``. Use it when the classes map onto
     Triton priority levels (``triton_priority``) of models that have them; without them Triton
     serves in arrival order and ``shared`` is the right count."""
-    shed_late: bool = False
+    shed_late: bool | None = None
     """Deadline admission: shed at once a request predicted to be answered after its budget
     (its class's ``slo_p99_ms`` or its client's deadline, whichever is earlier), instead of
     serving it late (:mod:`proxy.scheduling.lateness`). Off, a request is still not sent when
-    its *client deadline* would pass before its answer (abandoned work). Off by default: in
-    issue 10's benchmark case it shed 43% of real-time requests at half the FIFO capacity
-    under the rule before session 30 (docs/benchmarks.md); on in policies/mixed-traffic.yaml,
-    the only configuration measured with today's rule."""
+    its *client deadline* would pass before its answer (abandoned work). ``null`` (the
+    default): on for a model whose routing policy gathers long work into a lane
+    (``Policy.packs_long``, as the class default's does; :meth:`for_model`), off for the
+    others. Measured with the class default and its derived lane (docs/benchmarks.md,
+    thirty-fifth round): where the top class queues beyond the fleet (``surge.yaml``) it is
+    what holds real-time and online (x1: 75 % of real-time within its SLO against 58 %, online
+    97 % against 84 %; x2: 45 % against 16 %, online 85 % against 20 %), and on the five
+    other scenarios at 1-2x it shed nothing and changed nothing beyond the repetitions'
+    spread. Without a lane (the class default of session 29) it cost real-time at
+    ``burst.yaml`` x2 (36 % -> 21 % within its SLO): batches padded by offline bursts make
+    everyone late, and shedding cannot help that; hence not under a policy that does not
+    pack."""
     late_by: LateBy = "mean"
     """With ``shed_late``, what a request that has waited is held to against its class's SLO:
     ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that
@@ -456,13 +464,17 @@ class SchedulingConfig:
 
     def for_model(self, max_batch_size: int, packs_long: bool = True) -> SchedulingConfig:
         """This section as the gate of a model with ``max_batch_size`` enforces it: each of
-        :meth:`lane_classes` with its :func:`derived_lane` (itself when there is none).
-        ``packs_long``: whether the model's routing policy gathers long work into a lane
-        (``proxy.routing.base.Policy.packs_long``); without it no lane is derived."""
+        :meth:`lane_classes` with its :func:`derived_lane`, and ``shed_late`` decided where
+        the file leaves it ``null``. ``packs_long``: whether the model's routing policy
+        gathers long work into a lane (``proxy.routing.base.Policy.packs_long``); without it
+        no lane is derived and ``shed_late`` defaults to off."""
+        config = self
+        if self.shed_late is None:
+            config = dataclasses.replace(self, shed_late=packs_long)
         lane = derived_lane(max_batch_size)
         names = self.lane_classes()
         if lane is None or not names or not packs_long:
-            return self
+            return config
         depth, shallow = lane
         classes = dict(self.classes)
         for name in names:
@@ -472,7 +484,7 @@ class SchedulingConfig:
                 shallow_per_instance=shallow,
                 spare_instances=1,
             )
-        return dataclasses.replace(self, classes=MappingProxyType(classes))
+        return dataclasses.replace(config, classes=MappingProxyType(classes))
 
     def instance_concurrency(self, max_batch_size: int, model_instances: int = 1) -> int:
         """Dispatch slots for one Triton instance: ``concurrency``, else derived from the model."""

@@ -223,17 +223,24 @@ LATE_POLICY: dict[str, Any] = {
 }
 
 
+@pytest.mark.parametrize("written", [True, False], ids=["shed_late", "by_default"])
 async def test_deadline_admission_sheds_what_would_be_late_never_a_throughput_class(
-    triton_fleet: Any,
+    triton_fleet: Any, written: bool
 ) -> None:
     """Issue 10 point 5 on real Triton servers: a burst of real-time requests far beyond the
     fleet's three slots is shed, as far as its queue wait plus its mean time inside passes
     its 300 ms SLO, at once with 429 + Retry-After (gRPC RESOURCE_EXHAUSTED); the rest are
     served. The same burst of offline work (no SLO) waits and is served in full; and one
-    real-time request at a time, which never waits, is never shed."""
+    real-time request at a time, which never waits, is never shed. ``by_default``: the file
+    says nothing of ``shed_late``, and the class default's routing packs long work, so
+    deadline admission is on (SchedulingConfig.for_model)."""
     watch = Watch()
     url = "/v2/models/sleeper/infer"
-    with running_proxy(triton_fleet.servers, LATE_POLICY, gate_observer=watch) as p:
+    policy = LATE_POLICY
+    if not written:
+        scheduling = {k: v for k, v in LATE_POLICY["scheduling"].items() if k != "shed_late"}
+        policy = {**LATE_POLICY, "scheduling": scheduling}
+    with running_proxy(triton_fleet.servers, policy, gate_observer=watch) as p:
         watch.proxy = p
         base = f"http://{p.http}"
 

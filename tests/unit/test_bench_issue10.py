@@ -797,10 +797,10 @@ def test_the_class_default_arm_is_what_a_file_with_classes_and_no_routing_gets(s
     lowest = today.scheduling.default_class
     assert today.scheduling.lane_classes() == (lowest,)
     assert measured.scheduling.lane_classes() == ()
-    assert measured.scheduling.classes == today.scheduling.for_model(ACCEL_SIM_MAX_BATCH).classes
-    assert replace(measured.scheduling, classes=today.scheduling.classes) == replace(
-        today.scheduling, throughput_lane=measured.scheduling.throughput_lane
-    )
+    # What the model's gate enforces (the lane, deadline admission) is the same.
+    gate = today.scheduling.for_model(ACCEL_SIM_MAX_BATCH, packs_long=True)
+    assert replace(measured.scheduling, throughput_lane=gate.throughput_lane) == gate
+    assert gate.shed_late is True
 
 
 def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default():
@@ -823,7 +823,7 @@ def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default
     defaults = SchedulingConfig(
         classes=then.classes, default_class=then.default_class, api_keys=then.api_keys
     )
-    assert then == replace(defaults, throughput_lane=False)
+    assert then == replace(defaults, throughput_lane=False, shed_late=False)
 
 
 def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derives():

@@ -206,8 +206,22 @@ def test_the_default_classes_give_offline_a_lane_per_model() -> None:
     assert {n: c for n, c in per_model.classes.items() if n != "offline"} == {
         n: c for n, c in config.classes.items() if n != "offline"
     }
-    assert config.for_model(1) is config  # nothing batches, nothing pads: no lane
-    assert config.for_model(16, packs_long=False) is config  # nothing would keep it a lane
+    assert config.for_model(1).classes is config.classes  # nothing batches, nothing pads
+    assert config.for_model(16, packs_long=False).classes is config.classes  # nothing packs
+
+
+@pytest.mark.parametrize(
+    ("written", "packs", "enforced"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_deadline_admission_defaults_to_on_where_the_routing_packs(
+    written: bool | None, packs: bool, enforced: bool
+) -> None:
+    extra = {} if written is None else {"shed_late": written}
+    config = load_scheduling(extra or None)
+    assert config.shed_late is written
+    for max_batch_size in (0, 16):  # with a lane or without
+        assert config.for_model(max_batch_size, packs_long=packs).shed_late is enforced
 
 
 @pytest.mark.parametrize(
@@ -233,4 +247,4 @@ def test_lane_classes(classes: dict[str, Any], extra: dict[str, Any], lanes: tup
     config = load_scheduling({"default_class": next(iter(classes)), "classes": classes, **extra})
     assert config.lane_classes() == lanes
     if not lanes:
-        assert config.for_model(16) is config
+        assert config.for_model(16).classes is config.classes
