@@ -151,6 +151,12 @@ CLASSES = {
     "default_class": "bulk",
     "api_keys": {"ab-key": {"class_name": "rt"}},
 }
+# ``+slo`` configs: the same with an SLO on the class the client is in, so every request has a
+# class budget (deadline admission's work; the fake never makes anyone wait).
+CLASSES_SLO = {
+    **CLASSES,
+    "classes": {**CLASSES["classes"], "rt": {**CLASSES["classes"]["rt"], "slo_p99_ms": 1000}},
+}
 
 
 def thread_cpu_s(pid: int) -> float:
@@ -172,6 +178,7 @@ async def one(
     seconds: float,
     profile: Path | None = None,
     concurrency: int = 16,
+    slo: bool = False,
 ) -> tuple[float, float]:
     """(req/s, CPU ms per request) of one proxy run from ``tree``.
 
@@ -188,7 +195,7 @@ async def one(
             "listen": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "metrics_port": 0},
         }
         if classes:
-            doc["scheduling"] = CLASSES
+            doc["scheduling"] = CLASSES_SLO if slo else CLASSES
         policy.write_text(yaml.safe_dump(doc))
         log = Path(tmp) / "proxy.log"
         proc = spawn_proxy(tree, policy, log)
@@ -311,7 +318,11 @@ async def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
-    p.add_argument("--configs", default="http,http+classes,grpc,grpc+classes")
+    p.add_argument(
+        "--configs",
+        default="http,http+classes,grpc,grpc+classes",
+        help="also http+classes+slo, grpc+classes+slo (the client's class has an SLO)",
+    )
     p.add_argument(
         "--floor",
         action="store_true",
@@ -336,7 +347,8 @@ async def main() -> int:
                         f"{got[1]:.3f} ms/req"
                     )
             for config in args.configs.split(","):
-                protocol, classes = config.split("+")[0], config.endswith("+classes")
+                protocol, *extras = config.split("+")
+                classes, slo = "classes" in extras, "slo" in extras
                 order = trees[r % len(trees) :] + trees[: r % len(trees)]
                 for tree in order:
                     profile = None
@@ -346,6 +358,7 @@ async def main() -> int:
                     rps, cpu = await one(
                         *(tree, http, grpc_address, protocol, classes, args.seconds, profile),
                         concurrency=args.concurrency,
+                        slo=slo,
                     )
                     results.setdefault((str(tree), config), []).append((rps, cpu))
                     print(f"round {r + 1} {config:<13} {tree}: {rps:6.0f} req/s  {cpu:.3f} ms/req")
