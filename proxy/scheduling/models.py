@@ -85,7 +85,8 @@ class ModelGates:
         self.packs_long = packs_long
         """Whether a model's routing gathers long work into a lane (``Router.packs_long``,
         read when its gate is made and on every reconfigure): only then are throughput
-        classes given a derived lane (:meth:`SchedulingConfig.for_model`)."""
+        classes given a derived lane, and deadline admission is on unless the file says
+        (:meth:`SchedulingConfig.for_model`)."""
         self.workers = workers
         """Proxy processes sharing the fleet: each takes ``ceil(1/workers)`` of the slots."""
         self.fleet = fleet
