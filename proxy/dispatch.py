@@ -680,8 +680,9 @@ class Dispatcher:
             try:
                 priority = await stack.enter_async_context(self.admission.admit(model, info, klass))
             except Shed as shed:
+                # A stream's messages go through the main arm's gates (no canary split).
                 label = f"shed_{shed.reason.value}"
-                self.telemetry.requests.labels(model, klass, "-", label).inc()
+                self.telemetry.requests_by.get(model, klass, "-", label, MAIN).inc()
                 raise _shed_error(model, shed) from shed
             yield priority
 

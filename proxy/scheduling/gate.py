@@ -103,16 +103,25 @@ class RecordingObserver(GateObserver):
 class Ticket:
     """A dispatched request's slot; released once, by the ``async with`` or by :meth:`release`."""
 
-    __slots__ = ("_gate", "_released", "class_name", "depth", "order", "waited_s")
+    __slots__ = ("_gate", "_released", "class_name", "depth", "dispatched_at", "order", "waited_s")
 
     def __init__(
-        self, gate: Gate, class_name: str, waited_s: float, order: int, depth: int | None = None
+        self,
+        gate: Gate,
+        class_name: str,
+        waited_s: float,
+        order: int,
+        depth: int | None = None,
+        dispatched_at: float = 0.0,
     ) -> None:
         self._gate = gate
         self._released = False
         self.class_name = class_name
         self.waited_s = waited_s
         self.order = order
+        self.dispatched_at = dispatched_at
+        """When the slot was given (the gate's clock): its hold time feeds deadline
+        admission's drain rate."""
         self.depth = depth
         """The class's per-instance cap when this slot was given (``max_per_instance``, or
         ``shallow_per_instance`` while the class keeps up); placement must use this one, the
@@ -281,7 +290,8 @@ class Gate:
         # the prediction here, 0.180 with deadline admission off (session 35).
         if config.shed_late and budget_s is not None and budget_s > 0 and self._core.queued():
             ahead = self._core.queued_ahead(name)
-            if self.lateness.shed_at_arrival(ahead, name, budget_s, now):
+            capacity = max(0, self._capacity())
+            if self.lateness.shed_at_arrival(ahead, name, budget_s, now, capacity):
                 self._observer.on_shed(name, ShedReason.LATE)
                 raise Shed(ShedReason.LATE, config.retry_after_s, name)
         held_to = budget_s if config.shed_late or budget.hard else None
@@ -334,6 +344,7 @@ class Gate:
             self._pump()
 
     def _release(self, ticket: Ticket) -> None:
+        self.lateness.on_release(self._clock.now() - ticket.dispatched_at)
         self._core.release(ticket.class_name)
         self._observer.on_complete(ticket.class_name)
         self._pump()
@@ -394,7 +405,7 @@ class Gate:
         """The slot just taken for a request of the class that waited ``waited_s``."""
         # It was its class's oldest: the pop's limit had the depth of its wait.
         depth = self._core.config.classes[class_name].depth(waited_s)
-        ticket = Ticket(self, class_name, waited_s, self._order, depth)
+        ticket = Ticket(self, class_name, waited_s, self._order, depth, now)
         self._order += 1
         self.lateness.on_dispatch(now)
         return ticket

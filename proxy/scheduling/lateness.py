@@ -11,11 +11,18 @@ their quotas and queue limits, and for a client deadline their request carries.
 
 **Prediction** (per model gate), at arrival::
 
-    predicted = ahead / dispatch_rate + inside(class)
+    predicted = ahead / drain_rate + inside(class)
+    drain_rate = max(dispatches per second over the last window_s, capacity / hold)
 
 ``ahead`` counts requests queued in the same or more important classes (they leave first),
-``dispatch_rate`` is the gate's dispatches per second over the last ``window_s`` and
-``inside(class)`` an exponentially weighted mean of the class's time inside Triton. The
+``capacity`` is the gate's slots, ``hold`` an exponentially weighted mean of how long a slot
+is held (dispatch to release, every class), and ``inside(class)`` one of the class's time
+inside Triton. The dispatch rate alone is what the queue drains at only while the gate is
+saturated; on a lightly used gate it is the arrival rate, far below what the slots serve, and
+a burst after a quiet spell was then predicted to wait many times too long and shed (found in
+CI, session 35: 12 stream messages at once over 3 slots of a 1 ms model, one shed as late
+against a 500 ms SLO). ``capacity / hold`` is the slots' own rate (Little's law at
+saturation, where it meets the dispatch rate). The
 request is shed when ``predicted > budget``. Before ``min_dispatches`` dispatches in the window
 (a cold or idle gate) nothing is predicted and nothing shed. At dispatch, the wait is known:
 
@@ -70,6 +77,8 @@ class LatenessPredictor:
     _inside: dict[str, float] = field(default_factory=dict)
     _deviation: dict[str, float] = field(default_factory=dict)
     _seen_at: dict[str, float] = field(default_factory=dict)
+    _hold: float | None = None
+    """Mean time a slot is held, dispatch to release (every class)."""
 
     def on_dispatch(self, now: float) -> None:
         self._dispatches.append(now)
@@ -86,6 +95,11 @@ class LatenessPredictor:
         self._deviation[class_name] = dev + self.beta * (abs(seconds - old) - dev)
         self._inside[class_name] = old + self.alpha * (seconds - old)
 
+    def on_release(self, held_s: float) -> None:
+        """A slot held ``held_s`` (dispatch to release) is free again."""
+        old = self._hold
+        self._hold = held_s if old is None else old + self.alpha * (held_s - old)
+
     def inside(self, class_name: str) -> float:
         return self._inside.get(class_name, 0.0)
 
@@ -96,18 +110,35 @@ class LatenessPredictor:
             return None
         return len(self._dispatches) / self.window_s
 
-    def predicted_s(self, ahead: int, class_name: str, now: float) -> float | None:
-        """Predicted arrival-to-answer time of a request with ``ahead`` queued before it."""
+    def drain_rate(self, now: float, capacity: int) -> float | None:
+        """Requests per second a queue in front of ``capacity`` slots drains at (the
+        module's docstring), or None while too few dispatches to trust."""
         rate = self.rate(now)
+        if rate is None:
+            return None
+        hold = self._hold
+        if hold and capacity > 0:
+            rate = max(rate, capacity / hold)
+        return rate
+
+    def predicted_s(
+        self, ahead: int, class_name: str, now: float, capacity: int = 0
+    ) -> float | None:
+        """Predicted arrival-to-answer time of a request with ``ahead`` queued before it, at
+        a gate of ``capacity`` slots."""
+        rate = self.drain_rate(now, capacity)
         if rate is None:
             return None
         return ahead / rate + self.inside(class_name)
 
-    def shed_at_arrival(self, ahead: int, class_name: str, budget_s: float, now: float) -> bool:
-        """Whether a request arriving with ``ahead`` queued before it should be shed now."""
+    def shed_at_arrival(
+        self, ahead: int, class_name: str, budget_s: float, now: float, capacity: int = 0
+    ) -> bool:
+        """Whether a request arriving with ``ahead`` queued before it, at a gate of
+        ``capacity`` slots, should be shed now."""
         if self.inside(class_name) >= budget_s:
             return False
-        predicted = self.predicted_s(ahead, class_name, now)
+        predicted = self.predicted_s(ahead, class_name, now, capacity)
         return predicted is not None and predicted > budget_s
 
     def late(

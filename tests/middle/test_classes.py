@@ -21,13 +21,14 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.fakes.rawhttp import RawResponse
-from tests.fakes.triton import FakeFleet, Received
+from tests.fakes.triton import FakeFleet, Fault, Received
 from tests.middle.conftest import (
     ProxyFactory,
     grpc_inputs,
     infer_doc,
     port_of,
     raw,
+    wait_for,
 )
 
 OFFLINE = "offline-key"
@@ -377,3 +378,56 @@ def test_a_canary_with_classes_of_its_own_learns_from_its_own_answers(
         assert canary is not None and main is not None and canary is not main
         assert canary.expected_inside_s("simple", "offline") > 0
         assert main.expected_inside_s("simple", "offline") == 0
+
+
+def test_a_shed_stream_message_is_answered_and_counted(
+    proxy_on: ProxyFactory, fakes: FakeFleet
+) -> None:
+    # Every slot (one per fake) is held by a hanging unary call and offline's one-place queue
+    # by another: a stream's offline message is shed (queue full), answered
+    # RESOURCE_EXHAUSTED on the stream, and counted like a shed unary request. Its count once
+    # raised instead (a label missing), and the stream's handler failed (found in CI,
+    # session 35).
+    for fake in fakes.servers:
+        fake.faults.append(Fault("hang", models=frozenset({"simple"})))
+    scheduling = {
+        **CLASSES["scheduling"],
+        "concurrency": 1,
+        "classes": {
+            **CLASSES["scheduling"]["classes"],  # type: ignore[dict-item]
+            "offline": {"rank": 2, "triton_priority": 3, "max_queue": 1},
+        },
+    }
+    body = json.dumps(infer_doc()).encode()
+    try:
+        with proxy_on({**CLASSES, "scheduling": scheduling}) as proxy:
+            port = port_of(proxy)
+            path = "/v2/models/simple/infer"
+            callers = [
+                threading.Thread(target=raw, args=(port, "POST", path, headers, body))
+                for headers in [[]] * 3 + [offline()]
+            ]
+            for t in callers:
+                t.daemon = True
+                t.start()
+            gates = proxy.runtime.gates
+            wait_for(lambda: "simple" in gates.gates and gates.gates["simple"].queued() == 1)
+            meta = (("authorization", f"Bearer {OFFLINE}"),)
+            with grpc.insecure_channel(proxy.grpc) as ch:
+                stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+                replies = list(stream(iter([grpc_request()]), metadata=meta, timeout=10))
+            shed = proxy.proxy.telemetry.requests_by.get(
+                "simple", "offline", "-", "shed_queue_full", "main"
+            )
+            count = shed._value.get()
+            for fake in fakes.servers:
+                fake.release()
+            for t in callers:
+                t.join(10)
+    finally:
+        for fake in fakes.servers:
+            fake.release()
+    assert len(replies) == 1, replies
+    answer = pb.ModelStreamInferResponse.FromString(replies[0])
+    assert "of class 'offline' was shed" in answer.error_message, answer
+    assert count == 1

@@ -346,3 +346,49 @@ async def test_late_by_decides_what_a_waiting_request_is_held_to(late_by: str, s
         (await waiting).release()
     assert gate.in_flight() == 0
     gate.close()
+
+
+def test_the_queue_drains_at_the_slots_rate_not_at_a_quiet_gates_dispatch_rate() -> None:
+    # Ten dispatches in the last second on a gate of 3 slots: 10/s is what arrived, not what
+    # the slots serve. Slots held 1 ms serve 3,000/s; slots held 300 ms (a saturated gate)
+    # serve 10/s, and the dispatch rate stands.
+    p = LatenessPredictor(window_s=1.0, min_dispatches=10)
+    for i in range(10):
+        p.on_dispatch(i * 0.1)
+    p.observe_inside("rt", 0.001, 0.0)
+    assert p.drain_rate(0.95, capacity=3) == pytest.approx(10.0)  # no hold seen yet
+    p.on_release(0.001)
+    assert p.drain_rate(0.95, capacity=3) == pytest.approx(3000.0)
+    assert not p.shed_at_arrival(11, "rt", 0.5, 0.95, capacity=3)  # 11 / 3000 s + 1 ms
+    assert p.shed_at_arrival(11, "rt", 0.5, 0.95, capacity=0)  # unknown slots: 11 / 10 s
+    slow = LatenessPredictor(window_s=1.0, min_dispatches=10)
+    for i in range(10):
+        slow.on_dispatch(i * 0.1)
+    slow.on_release(0.3)
+    assert slow.drain_rate(0.95, capacity=3) == pytest.approx(10.0)
+
+
+async def test_a_burst_after_a_quiet_spell_is_not_shed_on_a_fast_model() -> None:
+    # What CI found (session 35): twelve requests at once over three slots of a 1 ms model,
+    # after a quiet second of ten requests, shed as late against the class's SLO. Each waits
+    # for at most three slot turns of 1 ms.
+    clock = FakeClock()
+    gate, observer = make_gate(clock, capacity=3)
+    for _ in range(10):
+        async with gate.admit("rt"):
+            clock.advance(0.001)
+        gate.lateness.observe_inside("rt", 0.001, clock.now())
+        clock.advance(0.099)
+    hold = asyncio.Event()
+
+    async def one() -> None:
+        async with gate.admit("rt"):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(one()) for _ in range(12)]
+    await asyncio.sleep(0)
+    assert gate.queued("rt") == 9
+    hold.set()
+    await asyncio.gather(*tasks)
+    assert observer.sheds == []
+    gate.close()
