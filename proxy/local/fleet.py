@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import socket
@@ -49,6 +50,27 @@ DEFAULT_ARGS: tuple[str, ...] = (
     "--exit-timeout-secs=5",
     "--log-verbose=0",
 )
+
+
+SHM_DIR = Path("/dev/shm")
+_FLEETS = itertools.count()
+"""Numbers the fleets of this process: each server's shared-memory prefix is its own."""
+
+
+def remove_shm_regions(prefix: str, shm_dir: Path = SHM_DIR) -> int:
+    """Delete the python backend's shared-memory regions named ``prefix...``; how many.
+
+    A server and stubs that exit cleanly remove their regions; killed ones (SIGKILL, a
+    crash) leave them in ``/dev/shm`` for good. 577 of them (578 MB) had piled up on the
+    benchmark machine when three servers died at once in the python backend
+    (``boost::interprocess::lock_exception``; docs/benchmarks.md, thirty-fifth round).
+    """
+    removed = 0
+    for path in shm_dir.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed
 
 
 class ServerStartError(LocalTritonError):
@@ -241,6 +263,7 @@ class LocalFleet:
         self._atexit_registered = False
         self.started_pgids: set[int] = set()
         """Every process group this fleet ever started (for leak checks)."""
+        self._tag = f"{os.getpid()}_{next(_FLEETS)}"
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -298,14 +321,14 @@ class LocalFleet:
         unload until ``--exit-timeout-secs`` runs out and may outlive the server (measured).
         """
         with self._lock:
-            procs = [(s.proc, s.proc.pid) for s in self._slots if s.proc is not None]
+            procs = [(s.proc, s.index) for s in self._slots if s.proc is not None]
             for slot in self._slots:
                 slot.proc = None
         for proc, _ in procs:
             _terminate(proc)
         deadline = time.monotonic() + self.stop_grace_s
-        for proc, pgid in procs:
-            self._reap_group(proc, pgid, deadline)
+        for proc, index in procs:
+            self._reap_group(proc, index, deadline)
         if self._spawner is not None:
             self._spawner.shutdown(wait=True)
             self._spawner = None
@@ -321,7 +344,7 @@ class LocalFleet:
         if proc is None:
             return
         _killpg(proc.pid, signal.SIGKILL)
-        self._reap_group(proc, proc.pid, time.monotonic() + self.stop_grace_s)
+        self._reap_group(proc, index, time.monotonic() + self.stop_grace_s)
 
     def restart(self, index: int, timeout_s: float = 120) -> TritonServer:
         """Stop server ``index`` if it runs, start it again on the same ports, wait for ready."""
@@ -330,7 +353,7 @@ class LocalFleet:
             proc, slot.proc = slot.proc, None
         if proc is not None:
             _terminate(proc)
-            self._reap_group(proc, proc.pid, time.monotonic() + self.stop_grace_s)
+            self._reap_group(proc, index, time.monotonic() + self.stop_grace_s)
         self._prepare()
         self._spawn(slot, reuse_ports=True)
         try:
@@ -382,7 +405,10 @@ class LocalFleet:
             backend_dir=self._backend_dir,
             ports=self._slots[index].ports,
             models=self.models,
-            extra_args=self.extra_args,
+            extra_args=(
+                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix(index)}",
+                *self.extra_args,
+            ),
         )
 
     def _spawn(self, slot: _Slot, *, reuse_ports: bool = False) -> None:
@@ -445,7 +471,18 @@ class LocalFleet:
             f"log {slot.log_path}, last lines:\n{tail}"
         )
 
-    def _reap_group(self, proc: subprocess.Popen[bytes], pgid: int, deadline: float) -> None:
+    def shm_prefix(self, index: int) -> str:
+        """The name prefix of server ``index``'s shared-memory regions (python backend)."""
+        return f"triton_proxy_{self._tag}_{index}_"
+
+    def _reap_group(self, proc: subprocess.Popen[bytes], index: int, deadline: float) -> None:
+        """Wait for server ``index`` (``proc``, the leader of its group) and its group until
+        ``deadline``, then SIGKILL the group; then remove the regions it left."""
+        pgid = proc.pid
+        self._reap(proc, pgid, deadline)
+        remove_shm_regions(self.shm_prefix(index))
+
+    def _reap(self, proc: subprocess.Popen[bytes], pgid: int, deadline: float) -> None:
         """Wait for the leader and its group until ``deadline``, then SIGKILL the group."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))

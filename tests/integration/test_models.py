@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from proxy.local import LocalFleet, TritonServer, group_members
+from proxy.local.fleet import SHM_DIR
 from tests.integration.conftest import MODELS
 
 pytestmark = pytest.mark.integration
@@ -368,10 +369,15 @@ def test_accumulator_needs_start(grpc: grpcclient.InferenceServerClient) -> None
 def test_kill_and_restart_on_the_same_ports(tmp_path: Path) -> None:
     """Its own one-server fleet (only `simple`), so the shared fleet is left alone."""
     fleet = LocalFleet(1, MODEL_REPOSITORY, ["simple"], tmp_path)
+    regions = f"{fleet.shm_prefix(0)}*"
     try:
         before = fleet.start()[0]
+        # The python backend names its shared memory after the server: killed, the server
+        # cannot remove it, so the fleet does (SIGKILL left it in /dev/shm for good before).
+        assert list(SHM_DIR.glob(regions)), "the server's regions carry its prefix"
         fleet.kill(0)
         assert group_members(before.pid) == []
+        assert not list(SHM_DIR.glob(regions))
         with pytest.raises(LookupError):
             fleet.server(0)
         after = fleet.restart(0)
@@ -391,7 +397,9 @@ def test_kill_and_restart_on_the_same_ports(tmp_path: Path) -> None:
                 ],
             )
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+        assert list(SHM_DIR.glob(regions))
     finally:
         fleet.stop()
+    assert not list(SHM_DIR.glob(regions))
     for pgid in fleet.started_pgids:
         assert group_members(pgid) == []

@@ -22,6 +22,7 @@ from proxy.local.fleet import (
     ServerStartError,
     free_ports,
     group_members,
+    remove_shm_regions,
     server_command,
 )
 
@@ -388,3 +389,11 @@ time.sleep(60)
     for pid in survivors:  # do not leave them behind when the test fails
         os.killpg(pid, signal.SIGKILL)
     assert not survivors, f"servers {survivors} outlived their launcher"
+
+
+def test_remove_shm_regions_takes_only_the_prefix(tmp_path: Path) -> None:
+    for name in ("triton_proxy_1_0_0_abc", "triton_proxy_1_0_0_def", "triton_proxy_1_0_1_abc"):
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_shm_regions("triton_proxy_1_0_0_", tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["triton_proxy_1_0_1_abc"]
+    assert remove_shm_regions("triton_proxy_1_0_0_", tmp_path) == 0
