@@ -401,21 +401,22 @@ def _catalog() -> dict[str, ArmPlan]:
                 _class_default(
                     f"proxy_classes_default+adaptive+reserve+lane{suffix}",
                     "proxy_classes_default+adaptive+reserve whose lowest class runs in a lane "
-                    f"(max_per_instance {depth}, spare_instances 1, shallow_per_instance "
+                    f"(max_per_instance {depth}, spare_instances {spare}, shallow_per_instance "
                     f"{shallow}){what}",
                     params={"short_reserve": 1},
                     scheduling={"adaptive_concurrency": {"enabled": True}, **scheduling},
                 ),
                 lowest_max_per_instance=depth,
-                lowest_spare_instances=1,
+                lowest_spare_instances=spare,
                 lowest_shallow_per_instance=shallow,
             )
-            for suffix, depth, shallow, what, scheduling in (
-                ("", LANE_DEPTH, SHALLOW_DEPTH, ": policies/mixed-traffic.yaml's", {}),
+            for suffix, depth, shallow, spare, what, scheduling in (
+                ("", LANE_DEPTH, SHALLOW_DEPTH, 1, ": policies/mixed-traffic.yaml's", {}),
                 (
                     "+by_rank",
                     LANE_DEPTH,
                     SHALLOW_DEPTH,
+                    1,
                     ": policies/mixed-traffic.yaml's, slot_sharing by_rank",
                     {"slot_sharing": "by_rank"},
                 ),
@@ -423,6 +424,7 @@ def _catalog() -> dict[str, ArmPlan]:
                     "16",
                     16,
                     4,
+                    1,
                     ": a full batch of requests per lane instance, for a throughput class of "
                     "one-row requests a full batch of rows",
                     {},
@@ -431,7 +433,17 @@ def _catalog() -> dict[str, ArmPlan]:
                     "+late",
                     LANE_DEPTH,
                     SHALLOW_DEPTH,
+                    1,
                     ": policies/mixed-traffic.yaml's, deadline admission (shed_late)",
+                    {"shed_late": True},
+                ),
+                (
+                    "+late+spare2",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    2,
+                    ", deadline admission (shed_late); on six servers a third of the fleet "
+                    "free of long work, as one spare of three",
                     {"shed_late": True},
                 ),
             )
