@@ -195,7 +195,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
@@ -231,6 +231,9 @@ class ArmPlan:
     """``max_per_instance`` of the lowest-ranked class (the throughput class)."""
     lowest_spare_instances: int = 0
     """``spare_instances`` of the lowest-ranked class (its long lane leaves these free)."""
+    lowest_spare_fraction: float = 0.0
+    """``spare_fraction`` of the lowest-ranked class (at least this share of the instances
+    left free)."""
     lowest_shallow_per_instance: int | None = None
     """``shallow_per_instance`` of the lowest-ranked class (its lane's depth while it keeps
     up)."""
@@ -408,15 +411,16 @@ def _catalog() -> dict[str, ArmPlan]:
                 ),
                 lowest_max_per_instance=depth,
                 lowest_spare_instances=spare,
+                lowest_spare_fraction=fraction,
                 lowest_shallow_per_instance=shallow,
             )
-            for suffix, depth, shallow, spare, what, scheduling in (
-                ("", LANE_DEPTH, SHALLOW_DEPTH, 1, ": policies/mixed-traffic.yaml's", {}),
+            for suffix, depth, shallow, (spare, fraction), what, scheduling in (
+                ("", LANE_DEPTH, SHALLOW_DEPTH, (1, 0.0), ": policies/mixed-traffic.yaml's", {}),
                 (
                     "+by_rank",
                     LANE_DEPTH,
                     SHALLOW_DEPTH,
-                    1,
+                    (1, 0.0),
                     ": policies/mixed-traffic.yaml's, slot_sharing by_rank",
                     {"slot_sharing": "by_rank"},
                 ),
@@ -424,7 +428,7 @@ def _catalog() -> dict[str, ArmPlan]:
                     "16",
                     16,
                     4,
-                    1,
+                    (1, 0.0),
                     ": a full batch of requests per lane instance, for a throughput class of "
                     "one-row requests a full batch of rows",
                     {},
@@ -433,7 +437,7 @@ def _catalog() -> dict[str, ArmPlan]:
                     "+late",
                     LANE_DEPTH,
                     SHALLOW_DEPTH,
-                    1,
+                    (1, 0.0),
                     ": policies/mixed-traffic.yaml's, deadline admission (shed_late)",
                     {"shed_late": True},
                 ),
@@ -441,9 +445,18 @@ def _catalog() -> dict[str, ArmPlan]:
                     "+late+spare2",
                     LANE_DEPTH,
                     SHALLOW_DEPTH,
-                    2,
+                    (2, 0.0),
                     ", deadline admission (shed_late); on six servers a third of the fleet "
                     "free of long work, as one spare of three",
+                    {"shed_late": True},
+                ),
+                (
+                    "+late+spare_third",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    (1, 1 / 3),
+                    ", spare_fraction 1/3, deadline admission (shed_late): the class default "
+                    "since session 35 (as +late on three servers, as +late+spare2 on six)",
                     {"shed_late": True},
                 ),
             )
@@ -966,6 +979,8 @@ def proxy_policy(
             section["classes"][lowest]["max_per_instance"] = plan.lowest_max_per_instance
             if plan.lowest_spare_instances:
                 section["classes"][lowest]["spare_instances"] = plan.lowest_spare_instances
+            if plan.lowest_spare_fraction:
+                section["classes"][lowest]["spare_fraction"] = plan.lowest_spare_fraction
             if plan.lowest_shallow_per_instance is not None:
                 shallow = plan.lowest_shallow_per_instance
                 section["classes"][lowest]["shallow_per_instance"] = shallow

@@ -84,6 +84,14 @@ class ClassConfig:
     ``max_per_instance``. The spares are lent to the class while every more important class
     has been idle (nothing queued, nothing in flight, no arrival) for ``spare_idle_s``: with
     nobody to keep them for, they would only idle while the class's queue grows."""
+    spare_fraction: float = 0.0
+    """At least this fraction of the healthy instances (rounded down) kept spare, with
+    ``spare_instances`` the minimum: a lane that keeps the same share of a larger fleet free
+    of the class's long work. The derived lane (:attr:`SchedulingConfig.throughput_lane`)
+    keeps a third (one spare of three servers, two of six): on six servers one spare left
+    real-time at 0.75x the best baseline's P99 at 1.5x ``burst.yaml``'s capacity, two gave
+    0.20x of the one-spare figure (49 against 240 ms) with offline completing as much
+    (docs/benchmarks.md, thirty-fifth round)."""
     shallow_per_instance: int | None = None
     """With ``max_per_instance``: the depth while the class's queue moves. At most this many
     of its requests are in flight per instance while the oldest one queued has waited less
@@ -131,6 +139,10 @@ class ClassConfig:
             raise ValueError(f"spare_idle_s must be >= 0, got {self.spare_idle_s}")
         if self.spare_instances and self.max_per_instance is None:
             raise ValueError("spare_instances needs max_per_instance (the lane's depth)")
+        if not 0.0 <= self.spare_fraction < 1.0:
+            raise ValueError(f"spare_fraction must be within [0, 1), got {self.spare_fraction}")
+        if self.spare_fraction and self.max_per_instance is None:
+            raise ValueError("spare_fraction needs max_per_instance (the lane's depth)")
         if not self.deepen_after_s > 0:
             raise ValueError(f"deepen_after_s must be > 0, got {self.deepen_after_s}")
         if self.shallow_per_instance is not None:
@@ -158,10 +170,15 @@ class ClassConfig:
         if self.weight < 1:
             raise ValueError(f"weight must be >= 1, got {self.weight}")
 
+    def spares(self, instances: int) -> int:
+        """Instances kept free of the class out of ``instances``: ``spare_instances``, or
+        ``spare_fraction`` of them (rounded down) where that is more."""
+        return max(self.spare_instances, math.floor(self.spare_fraction * instances + 1e-9))
+
     def lane(self, instances: int, spare: bool = True) -> int:
-        """The instances the class may run on: all but ``spare_instances`` (at least one),
-        or all of them when the spares are lent (``spare=False``)."""
-        return max(1, instances - self.spare_instances) if spare else instances
+        """The instances the class may run on: all but :meth:`spares` (at least one), or
+        all of them when the spares are lent (``spare=False``)."""
+        return max(1, instances - self.spares(instances)) if spare else instances
 
     def depth(self, waited_s: float | None = None) -> int | None:
         """Requests of the class in flight per instance now, its oldest queued request having
@@ -370,7 +387,8 @@ class SchedulingConfig:
     """A *throughput class* (no ``slo_p99_ms``, ranked below a class that has one) that sets
     no ``max_per_instance`` runs in a long lane derived from each model's batching
     (:func:`derived_lane`): ``max_per_instance`` half the model's ``max_batch_size``,
-    ``shallow_per_instance`` a quarter of that, ``spare_instances: 1``. Without it, a burst
+    ``shallow_per_instance`` a quarter of that, ``spare_instances: 1`` and
+    ``spare_fraction: 1/3`` (one spare of three servers, two of six). Without it, a burst
     of the class's long requests fills every instance's batches, and the classes with an SLO
     wait behind them: issue 10's benchmark measured the class default collapse at 1-2x the
     fleet's FIFO capacity without a lane (``burst.yaml`` real-time 39-77 % within its SLO)
@@ -483,6 +501,7 @@ class SchedulingConfig:
                 max_per_instance=depth,
                 shallow_per_instance=shallow,
                 spare_instances=1,
+                spare_fraction=DERIVED_SPARE_FRACTION,
             )
         return dataclasses.replace(config, classes=MappingProxyType(classes))
 
@@ -509,6 +528,11 @@ def load_scheduling(
 ) -> SchedulingConfig:
     """Strictly load the section from plain YAML data (None = all defaults)."""
     return strict.load(SchedulingConfig, data, path, source)
+
+
+DERIVED_SPARE_FRACTION = 1 / 3
+"""The share of a model's instances a derived lane keeps spare (at least one):
+:attr:`ClassConfig.spare_fraction`."""
 
 
 def derived_lane(max_batch_size: int) -> tuple[int, int] | None:

@@ -130,7 +130,7 @@ class ClassQueues(Generic[T]):
         """Whether ``name``'s spare instances are kept for the more important classes: one
         of them has work queued or in flight, or had an arrival within ``spare_idle_s``."""
         cls = self._config.classes[name]
-        if not cls.spare_instances:
+        if not (cls.spare_instances or cls.spare_fraction):
             return True
         for other, ocls in self._config.classes.items():
             if ocls.rank >= cls.rank:

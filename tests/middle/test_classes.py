@@ -403,15 +403,20 @@ def test_a_shed_stream_message_is_answered_and_counted(
         with proxy_on({**CLASSES, "scheduling": scheduling}) as proxy:
             port = port_of(proxy)
             path = "/v2/models/simple/infer"
-            callers = [
-                threading.Thread(target=raw, args=(port, "POST", path, headers, body))
-                for headers in [[]] * 3 + [offline()]
-            ]
-            for t in callers:
+            gates = proxy.runtime.gates
+            callers: list[threading.Thread] = []
+
+            def call(headers: list[tuple[str, str]]) -> None:
+                t = threading.Thread(target=raw, args=(port, "POST", path, headers, body))
                 t.daemon = True
                 t.start()
-            gates = proxy.runtime.gates
-            wait_for(lambda: "simple" in gates.gates and gates.gates["simple"].queued() == 1)
+                callers.append(t)
+
+            for _ in range(3):  # online first, until it holds every slot
+                call([])
+            wait_for(lambda: "simple" in gates.gates and gates.gates["simple"].in_flight() == 3)
+            call(offline())  # then offline's one place in its queue
+            wait_for(lambda: gates.gates["simple"].queued("offline") == 1)
             meta = (("authorization", f"Bearer {OFFLINE}"),)
             with grpc.insecure_channel(proxy.grpc) as ch:
                 stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")

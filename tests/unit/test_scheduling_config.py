@@ -248,3 +248,31 @@ def test_lane_classes(classes: dict[str, Any], extra: dict[str, Any], lanes: tup
     assert config.lane_classes() == lanes
     if not lanes:
         assert config.for_model(16).classes is config.classes
+
+
+@pytest.mark.parametrize(
+    ("instances", "spares", "lane"),
+    [(1, 1, 1), (2, 1, 1), (3, 1, 2), (5, 1, 4), (6, 2, 4), (9, 3, 6)],
+)
+def test_the_derived_lane_keeps_a_third_of_the_instances_spare(
+    instances: int, spares: int, lane: int
+) -> None:
+    offline = load_scheduling(None).for_model(16).classes["offline"]
+    assert offline.spare_fraction == pytest.approx(1 / 3)
+    assert offline.spares(instances) == spares
+    assert offline.lane(instances) == lane
+    assert offline.lane(instances, spare=False) == instances
+
+
+def test_spare_fraction_needs_a_lane_and_stays_below_one() -> None:
+    with pytest.raises(ConfigError, match="spare_fraction needs max_per_instance"):
+        load_scheduling(
+            {"default_class": "a", "classes": {"a": {"rank": 0, "spare_fraction": 0.5}}}
+        )
+    with pytest.raises(ConfigError, match="spare_fraction must be within"):
+        load_scheduling(
+            {
+                "default_class": "a",
+                "classes": {"a": {"rank": 0, "max_per_instance": 2, "spare_fraction": 1.0}},
+            }
+        )
