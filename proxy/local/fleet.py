@@ -477,13 +477,8 @@ class LocalFleet:
 
     def _reap_group(self, proc: subprocess.Popen[bytes], index: int, deadline: float) -> None:
         """Wait for server ``index`` (``proc``, the leader of its group) and its group until
-        ``deadline``, then SIGKILL the group; then remove the regions it left."""
+        ``deadline``, then SIGKILL the group; then remove the shared memory it left."""
         pgid = proc.pid
-        self._reap(proc, pgid, deadline)
-        remove_shm_regions(self.shm_prefix(index))
-
-    def _reap(self, proc: subprocess.Popen[bytes], pgid: int, deadline: float) -> None:
-        """Wait for the leader and its group until ``deadline``, then SIGKILL the group."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         # The stubs may outlive the server briefly; they belong to its group.
@@ -496,6 +491,7 @@ class LocalFleet:
             kill_deadline = time.monotonic() + 5.0
             while group_alive(pgid) and time.monotonic() < kill_deadline:
                 time.sleep(0.01)
+        remove_shm_regions(self.shm_prefix(index))
 
 
 @contextlib.contextmanager

@@ -111,8 +111,8 @@ class Ticket:
         class_name: str,
         waited_s: float,
         order: int,
+        dispatched_at: float,
         depth: int | None = None,
-        dispatched_at: float = 0.0,
     ) -> None:
         self._gate = gate
         self._released = False
@@ -405,7 +405,7 @@ class Gate:
         """The slot just taken for a request of the class that waited ``waited_s``."""
         # It was its class's oldest: the pop's limit had the depth of its wait.
         depth = self._core.config.classes[class_name].depth(waited_s)
-        ticket = Ticket(self, class_name, waited_s, self._order, depth, now)
+        ticket = Ticket(self, class_name, waited_s, self._order, now, depth)
         self._order += 1
         self.lateness.on_dispatch(now)
         return ticket
