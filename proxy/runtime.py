@@ -68,6 +68,9 @@ class _GateTelemetry(GateObserver):
     def on_shed(self, class_name: str, reason: ShedReason) -> None:
         self.t.shed.labels(class_name, reason.value).inc()
 
+    def on_boost(self, class_name: str) -> None:
+        self.t.boosted.labels(class_name).inc()
+
 
 class Runtime:
     def __init__(

@@ -102,6 +102,13 @@ class Telemetry:
             ["class", "reason"],
             registry=r,
         )
+        self.boosted = Counter(
+            "triton_proxy_boosted",
+            "Requests of a starved class sent at the top class's Triton priority (the floor "
+            "boost, scheduling.starved_after_s), by class",
+            ["class"],
+            registry=r,
+        )
         self.decisions = Counter(
             "triton_proxy_routing_decisions",
             "Routing decisions, by model, policy, chosen instance and arm (a request routing.wake "

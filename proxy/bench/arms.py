@@ -195,7 +195,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
@@ -456,8 +456,17 @@ def _catalog() -> dict[str, ArmPlan]:
                     SHALLOW_DEPTH,
                     (1, 1 / 3),
                     ", spare_fraction 1/3, deadline admission (shed_late): the class default "
-                    "since session 35 (as +late on three servers, as +late+spare2 on six)",
+                    "of session 35 (as +late on three servers, as +late+spare2 on six)",
                     {"shed_late": True},
+                ),
+                (
+                    "+late+spare_third+boost",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    (1, 1 / 3),
+                    ", spare_fraction 1/3, deadline admission (shed_late) and the floor boost "
+                    "(starved_after_s 2): the class default since session 36",
+                    {"shed_late": True, "starved_after_s": 2.0},
                 ),
             )
         ),
@@ -1000,6 +1009,10 @@ def proxy_policy(
             section["throughput_lane"] = False
         # And deadline admission (on by default where routing packs, since session 35).
         section["shed_late"] = False
+        # And the floor boost (on by default since session 36), written only where it could
+        # act (an older --baseline-tree does not know the key).
+        if load_scheduling(section).boosted_classes():
+            section["starved_after_s"] = None
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

@@ -221,17 +221,23 @@ def overview() -> Dashboard:
                         width=8,
                     ),
                     Panel(
-                        "Sheds by class and reason",
+                        "Sheds and floor boosts by class",
                         (
                             Target(
                                 rate_sum("triton_proxy_shed_total", "class, reason", "class"),
                                 "{{class}} {{reason}}",
                             ),
+                            Target(
+                                rate_sum("triton_proxy_boosted_total", "class", "class"),
+                                "{{class}} boosted",
+                            ),
                         ),
                         unit="reqps",
                         width=8,
                         description="429 / RESOURCE_EXHAUSTED: queue_full, timeout (waited "
-                        "past queue_timeout_s) or overload.",
+                        "past queue_timeout_s), overload or late (deadline admission). "
+                        "boosted: requests of a class starved of its min_share floor sent at "
+                        "the top class's Triton priority (scheduling.starved_after_s).",
                     ),
                 ),
             ),

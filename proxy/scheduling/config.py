@@ -13,6 +13,8 @@ path inside it. Omitting the section gives three classes::
       concurrency: null                 # per-instance dispatch slots; null = derived
       slot_sharing: shared              # or by_rank: a class counts only the slots held by
                                         # classes at least as important as itself
+      starved_after_s: 2.0              # a min_share class answered nothing for this long:
+                                        # its reservation goes at the top class's priority
       throughput_lane: true             # classes without an SLO, below one with it: a long
                                         # lane per model (SchedulingConfig.throughput_lane)
       class_header: x-triton-proxy-class
@@ -367,6 +369,17 @@ class SchedulingConfig:
     ``burst.yaml`` x2 (36 % -> 21 % within its SLO): batches padded by offline bursts make
     everyone late, and shedding cannot help that; hence not under a policy that does not
     pack."""
+    starved_after_s: float | None = 2.0
+    """The floor boost: a class with a ``min_share`` below the top class whose requests in
+    flight have had none answered for this long, while more wait at the gate, is *starved*:
+    Triton's priority queue serves every more important level first, so under a sustained
+    overload of those its requests wait inside Triton for ever, holding the slots its
+    reservation gave them. While starved, the class's next dispatches go at the top class's
+    Triton priority (``triton_priority_for(top_class())``), beyond its own limits, up to its
+    reservation (``floor(min_share x capacity)``, at least one) in flight at once: the
+    reservation holds inside Triton too. Only its other requests' answers end it (a boosted
+    one's does not, so the floor keeps flowing while they stay stuck). ``null``: never.
+    Measured on ``surge.yaml`` at 2x (docs/benchmarks.md, thirty-sixth round)."""
     late_by: LateBy = "mean"
     """With ``shed_late``, what a request that has waited is held to against its class's SLO:
     ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that
@@ -440,6 +453,8 @@ class SchedulingConfig:
             raise ValueError(f"max_queued_total must be >= 1 or null, got {self.max_queued_total}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.starved_after_s is not None and not self.starved_after_s > 0:
+            raise ValueError(f"starved_after_s must be > 0 or null, got {self.starved_after_s}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 or null, got {self.concurrency}")
 
@@ -461,6 +476,14 @@ class SchedulingConfig:
     def top_class(self) -> str:
         """The most important class (lowest rank; the first such in the file)."""
         return min(self.classes, key=lambda name: self.classes[name].rank)
+
+    def boosted_classes(self) -> tuple[str, ...]:
+        """The classes the floor boost may lift (:attr:`starved_after_s`): a ``min_share``,
+        ranked below the top class."""
+        if self.starved_after_s is None:
+            return ()
+        top = min(c.rank for c in self.classes.values())
+        return tuple(n for n, c in self.classes.items() if c.min_share > 0 and c.rank > top)
 
     def adaptive(self) -> bool:
         return self.concurrency is None and self.adaptive_concurrency.enabled

@@ -66,6 +66,10 @@ class GateObserver:
     def on_complete(self, class_name: str) -> None:
         """A dispatched request released its slot."""
 
+    def on_boost(self, class_name: str) -> None:
+        """A request of a starved class was dispatched by the floor boost (also
+        :meth:`on_dispatch`): it goes at the top class's Triton priority."""
+
 
 @dataclass(frozen=True)
 class DispatchRecord:
@@ -82,6 +86,7 @@ class RecordingObserver(GateObserver):
     sheds: list[tuple[str, ShedReason]] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     completes: list[str] = field(default_factory=list)
+    boosts: list[str] = field(default_factory=list)
 
     def on_dispatch(self, class_name: str, waited_s: float, order: int) -> None:
         self.dispatches.append(DispatchRecord(class_name, waited_s, order))
@@ -95,6 +100,9 @@ class RecordingObserver(GateObserver):
     def on_complete(self, class_name: str) -> None:
         self.completes.append(class_name)
 
+    def on_boost(self, class_name: str) -> None:
+        self.boosts.append(class_name)
+
     def order(self) -> list[str]:
         """Class names in dispatch order."""
         return [d.class_name for d in self.dispatches]
@@ -103,7 +111,16 @@ class RecordingObserver(GateObserver):
 class Ticket:
     """A dispatched request's slot; released once, by the ``async with`` or by :meth:`release`."""
 
-    __slots__ = ("_gate", "_released", "class_name", "depth", "dispatched_at", "order", "waited_s")
+    __slots__ = (
+        "_gate",
+        "_released",
+        "boosted",
+        "class_name",
+        "depth",
+        "dispatched_at",
+        "order",
+        "waited_s",
+    )
 
     def __init__(
         self,
@@ -113,6 +130,7 @@ class Ticket:
         order: int,
         dispatched_at: float,
         depth: int | None = None,
+        boosted: bool = False,
     ) -> None:
         self._gate = gate
         self._released = False
@@ -128,6 +146,9 @@ class Ticket:
         depth the gate's limit had, not the depth of a later moment: a lane that turned
         shallow while its instances still ran a deep round would have no instance under the
         cap but the spare."""
+        self.boosted = boosted
+        """Dispatched by the floor boost (``SchedulingConfig.starved_after_s``): send it at
+        the top class's Triton priority."""
 
     @property
     def released(self) -> bool:
@@ -344,8 +365,9 @@ class Gate:
             self._pump()
 
     def _release(self, ticket: Ticket) -> None:
-        self.lateness.on_release(self._clock.now() - ticket.dispatched_at)
-        self._core.release(ticket.class_name)
+        now = self._clock.now()
+        self.lateness.on_release(now - ticket.dispatched_at)
+        self._core.release(ticket.class_name, now, boosted=ticket.boosted)
         self._observer.on_complete(ticket.class_name)
         self._pump()
 
@@ -384,28 +406,32 @@ class Gate:
                     if future.done():
                         # Its task was cancelled while queued and has not run its handler yet;
                         # the handler will find it gone from the queue.
-                        self._core.release(entry.class_name)
+                        self._core.release(entry.class_name, boosted=entry.boosted)
                         self._observer.on_cancel(entry.class_name)
                         continue
                     waited = now - entry.enqueued_at
                     if self._late(entry, waited, now):
                         # Already past saving: its slot goes to the next one instead.
-                        self._core.release(entry.class_name)
+                        self._core.release(entry.class_name, boosted=entry.boosted)
                         self._fail(entry, ShedReason.LATE)
                         continue
-                    ticket = self._ticket(entry.class_name, waited, now)
+                    ticket = self._ticket(entry.class_name, waited, now, entry.boosted)
                     future.set_result(ticket)
                     self._observer.on_dispatch(ticket.class_name, ticket.waited_s, ticket.order)
+                    if ticket.boosted:
+                        self._observer.on_boost(ticket.class_name)
                 again = self._pump_again
             self._arm_timer()
         finally:
             self._pumping = False
 
-    def _ticket(self, class_name: str, waited_s: float, now: float) -> Ticket:
+    def _ticket(
+        self, class_name: str, waited_s: float, now: float, boosted: bool = False
+    ) -> Ticket:
         """The slot just taken for a request of the class that waited ``waited_s``."""
         # It was its class's oldest: the pop's limit had the depth of its wait.
         depth = self._core.config.classes[class_name].depth(waited_s)
-        ticket = Ticket(self, class_name, waited_s, self._order, now, depth)
+        ticket = Ticket(self, class_name, waited_s, self._order, now, depth, boosted)
         self._order += 1
         self.lateness.on_dispatch(now)
         return ticket
@@ -429,7 +455,7 @@ class Gate:
         )
 
     def _arm_timer(self) -> None:
-        deadline = self._core.next_expiry()
+        deadline = self._core.next_expiry(self._clock.now())
         if deadline is None:
             if self._timer is not None:
                 self._timer.cancel()

@@ -41,9 +41,14 @@ class FanOutObserver(GateObserver):
         for o in self.observers:
             o.on_complete(class_name)
 
+    def on_boost(self, class_name: str) -> None:
+        for o in self.observers:
+            o.on_boost(class_name)
+
 
 class ModelAdmission(AdmissionBase):
-    """A gate admission that gives the class's Triton priority when it enters.
+    """A gate admission that gives the class's Triton priority when it enters (the top
+    class's for a slot the floor boost gave: ``SchedulingConfig.starved_after_s``).
 
     A class, not an ``@asynccontextmanager``: one is entered per request, and the generator
     wrapper was 6 % of the proxy's samples under load with classes on (py-spy,
@@ -52,16 +57,25 @@ class ModelAdmission(AdmissionBase):
     request (session 18).
     """
 
-    __slots__ = ("_priority",)
+    __slots__ = ("_levels", "_priority")
 
     def __init__(
-        self, gate: Gate, class_name: str, deadline: float | None, priority: int | None
+        self,
+        gate: Gate,
+        class_name: str,
+        deadline: float | None,
+        priority: int | None,
+        levels: int,
     ) -> None:
         super().__init__(gate, class_name, deadline)
         self._priority = priority
+        self._levels = levels
 
     async def __aenter__(self) -> int | None:
-        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
+        ticket = self._ticket = await self._gate.acquire(self._class_name, self._deadline)
+        if ticket.boosted:
+            config = self._gate.config
+            return config.triton_priority_for(config.top_class(), self._levels)
         return self._priority
 
 
@@ -217,7 +231,9 @@ class ModelGates:
         """``async with``: wait for a slot; gives the Triton priority to set (or None).
         ``deadline``: the client's, if any (:meth:`Gate.admit`)."""
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
-        return ModelAdmission(self.gate(model, info), class_name, deadline, priority)
+        return ModelAdmission(
+            self.gate(model, info), class_name, deadline, priority, info.priority_levels
+        )
 
     def saturated(self) -> set[str]:
         """Models at the fleet's limit now (``proxy.routing.occupancy``: their occupancy

@@ -24,6 +24,15 @@ Order of one ``pop``:
    weight, the largest current value wins and loses the eligible total), which spreads a
    4:1 ratio as 4 and 1 in every 5 dispatches while both are backlogged.
 
+Before all of this, the floor boost (``starved_after_s``): a class with a ``min_share`` below
+the top class whose requests in flight have had none answered for ``starved_after_s``, while
+more of it is queued, dispatches its head whatever the slots, its limit and the others hold,
+up to its reservation of *boosted* requests in flight; the gate sends those at the top class's
+Triton priority (:attr:`Entry.boosted`). Under a sustained overload of the classes above it,
+Triton's priority queue would otherwise never start the class's requests, however many slots
+the proxy reserved for them (``surge.yaml`` at 2x: 0-5 offline completions per 10 s window
+against a floor of 36).
+
 Shedding happens at ``push``: a full class queue sheds the newcomer (``queue_full``); a full
 global queue (``max_queued_total``) evicts the newest request of the least important class
 that is strictly less important than the newcomer, else sheds the newcomer (``overload``).
@@ -74,6 +83,9 @@ class Entry(Generic[T]):
     head of its queue; None: it does not."""
     budget_hard: bool = False
     """The budget is a client deadline (:attr:`proxy.scheduling.deadline.Budget.hard`)."""
+    boosted: bool = False
+    """Dispatched by the floor boost (module doc): send it at the top class's priority, and
+    give its slot back with ``release(..., boosted=True)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +114,12 @@ class ClassQueues(Generic[T]):
         self._top_rank = min(c.rank for c in config.classes.values())
         self._scale: dict[str, float] = {}
         self._arrived_at: dict[str, float] = {}
+        self._boosted: dict[str, int] = {}
+        """Floor-boosted requests in flight per class (counted in ``_in_flight`` too)."""
+        self._progress_at: dict[str, float] = {}
+        """Per class: when one of its requests that was not boosted was last answered, or
+        when the class last started holding such requests (the floor boost's clock)."""
+        self._floored = config.boosted_classes()
 
     def set_share_scale(self, class_name: str, factor: float) -> None:
         """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
@@ -228,9 +246,18 @@ class ClassQueues(Generic[T]):
         self._total_queued -= len(expired)
         return expired
 
-    def next_expiry(self) -> float | None:
-        """When :meth:`expire` will next have something to return, or None."""
+    def next_expiry(self, now: float | None = None) -> float | None:
+        """When :meth:`expire` will next have something to return, or (given ``now``) a
+        class with requests queued and stuck in flight turns starved (the floor boost), if
+        that is later than ``now``; None: neither."""
         soonest: float | None = None
+        after = self._config.starved_after_s
+        if now is not None and after is not None:
+            for name in self._floored:
+                if self._queues[name] and self._in_flight.get(name, 0) > self._boosted.get(name, 0):
+                    at = self._progress_at.get(name, now) + after
+                    if at > now and (soonest is None or at < soonest):
+                        soonest = at
         for name, queue in self._queues.items():
             timeout = self._config.classes[name].queue_timeout_s
             if timeout is None or not queue:
@@ -251,11 +278,19 @@ class ClassQueues(Generic[T]):
         shallow one either way). ``shared``: it goes when a slot is free and its class is under
         its limit; ``by_rank``: when its class is under its limit and either short of its
         reservation or finds a slot the classes at least as important do not hold. (A single
-        eligible class leaves the weighted round robin's counters as they were.)
+        eligible class leaves the weighted round robin's counters as they were.) A class the
+        floor boost would lift is left to the pop, which boosts it.
         """
         if self._total_queued:
             return False
         self._arrived_at[class_name] = now
+        after = self._config.starved_after_s
+        if (
+            after is not None
+            and class_name in self._floored
+            and self._may_boost(class_name, now, capacity, after)
+        ):
+            return False  # the pop boosts it
         cls = self._config.classes[class_name]
         held = self._in_flight.get(class_name, 0)
         limit = cls.share_limit(
@@ -275,8 +310,7 @@ class ClassQueues(Generic[T]):
                 return False
         elif capacity <= self._total_in_flight:
             return False
-        self._in_flight[class_name] = held + 1
-        self._total_in_flight += 1
+        self._taken(class_name, now)
         return True
 
     def pop(self, now: float, capacity: int, instances: int = 1) -> Entry[T] | None:
@@ -289,6 +323,8 @@ class ClassQueues(Generic[T]):
         """
         if self._total_queued == 0:
             return None
+        if self._floored and (starved := self._starved(now, capacity)) is not None:
+            return self._dispatch(starved, now, boosted=True)
         free = capacity - self._total_in_flight
         by_rank = self._config.slot_sharing == "by_rank"
         if free <= 0 and not by_rank:
@@ -327,11 +363,58 @@ class ClassQueues(Generic[T]):
             chosen = self._pick_wrr(eligible)
         else:
             chosen = self._pick_aged(eligible, now)
-        _, entry = self._queues[chosen].popitem(last=False)
+        return self._dispatch(chosen, now)
+
+    def _dispatch(self, name: str, now: float, boosted: bool = False) -> Entry[T]:
+        """Take ``name``'s head out of its queue and its slot."""
+        _, entry = self._queues[name].popitem(last=False)
         self._total_queued -= 1
-        self._in_flight[chosen] = self._in_flight.get(chosen, 0) + 1
-        self._total_in_flight += 1
+        if boosted:
+            entry.boosted = True
+            self._boosted[name] = self._boosted.get(name, 0) + 1
+            self._in_flight[name] = self._in_flight.get(name, 0) + 1
+            self._total_in_flight += 1
+        else:
+            self._taken(name, now)
         return entry
+
+    def _taken(self, name: str, now: float) -> None:
+        """A slot taken for a request of ``name`` that is not boosted."""
+        held = self._in_flight.get(name, 0)
+        if held == self._boosted.get(name, 0):
+            self._progress_at[name] = now  # its first unboosted one: the boost's clock starts
+        self._in_flight[name] = held + 1
+        self._total_in_flight += 1
+
+    def _starved(self, now: float, capacity: int) -> str | None:
+        """The class the floor boost dispatches next (module doc), or None: the one starved
+        the longest, if its boosted requests in flight are fewer than its reservation."""
+        after = self._config.starved_after_s
+        if after is None:
+            return None
+        chosen: str | None = None
+        since = 0.0
+        for name in self._floored:
+            at = self._progress_at.get(name, now)
+            if (
+                self._queues[name]
+                and (chosen is None or at < since)
+                and self._may_boost(name, now, capacity, after)
+            ):
+                chosen, since = name, at
+        return chosen
+
+    def _may_boost(self, name: str, now: float, capacity: int, after: float) -> bool:
+        """``name`` has requests in flight that were not boosted and none of them answered
+        for ``after`` seconds, and fewer boosted ones in flight than its reservation (at
+        least one). Whether it has any queued is the caller's to check."""
+        boosted = self._boosted.get(name, 0)
+        if self._in_flight.get(name, 0) == boosted:
+            return False  # none stuck: its reservation dispatches it as usual
+        if now - self._progress_at.get(name, now) < after:
+            return False
+        share = self._config.classes[name].min_share
+        return boosted < max(1, math.floor(share * capacity + _EPS))
 
     def _held_at_or_above(self, name: str) -> int:
         """Requests in flight of the classes at least as important as ``name``."""
@@ -345,11 +428,19 @@ class ClassQueues(Generic[T]):
             if (classes[other].rank if other in classes else dropped) <= rank
         )
 
-    def release(self, class_name: str) -> None:
-        """Give back a slot taken by :meth:`pop` for ``class_name``."""
+    def release(
+        self, class_name: str, answered_at: float | None = None, *, boosted: bool = False
+    ) -> None:
+        """Give back a slot taken by :meth:`pop` for ``class_name``. ``answered_at``: when
+        its request was answered (None: it was not sent, or not answered); ``boosted``: the
+        entry was (:attr:`Entry.boosted`)."""
         held = self._in_flight.get(class_name, 0)
         if held <= 0:
             raise RuntimeError(f"release of class {class_name!r} with nothing in flight")
+        if boosted:
+            self._boosted[class_name] -= 1
+        elif answered_at is not None:
+            self._progress_at[class_name] = answered_at
         if held == 1 and class_name not in self._queues:
             del self._in_flight[class_name]  # a class dropped by reconfigure, now drained
         else:
@@ -392,6 +483,7 @@ class ClassQueues(Generic[T]):
         self._wrr = {n: self._wrr.get(n, 0) for n in config.classes}
         self._config = config
         self._top_rank = min(c.rank for c in config.classes.values())
+        self._floored = config.boosted_classes()
 
     def _least_important_queued(self) -> str | None:
         candidates = [n for n, q in self._queues.items() if q]

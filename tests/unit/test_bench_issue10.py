@@ -823,7 +823,8 @@ def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default
     defaults = SchedulingConfig(
         classes=then.classes, default_class=then.default_class, api_keys=then.api_keys
     )
-    assert then == replace(defaults, throughput_lane=False, shed_late=False)
+    # ... and before the floor boost (session 36)
+    assert then == replace(defaults, throughput_lane=False, shed_late=False, starved_after_s=None)
 
 
 def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derives():

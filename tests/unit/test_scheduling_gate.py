@@ -352,6 +352,50 @@ async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_on
     gates.close()
 
 
+async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() -> None:
+    # The floor boost (SchedulingConfig.starved_after_s): lo's two requests in flight answer
+    # nothing for 2 s while hi holds the other slots and both classes queue; lo's next two
+    # (its reservation, floor(0.5 x 4)) go at hi's Triton priority, beyond the slots.
+    clock = FakeClock()
+    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
+    section = {
+        "default_class": "lo",
+        "concurrency": 4,
+        "classes": {
+            "hi": {"rank": 0, "triton_priority": 1},
+            "lo": {"rank": 1, "triton_priority": 2, "min_share": 0.5},
+        },
+    }
+    observer = RecordingObserver()
+    gates = ModelGates(load_scheduling(section), fleet, clock, observer)
+    info = ModelInfo(max_batch_size=4, priority_levels=2, model_instances=1, decoupled=False)
+    hold = asyncio.Event()
+    given: list[tuple[str, int | None]] = []
+
+    async def request(cls: str) -> None:
+        async with gates.admit("m", info, cls) as priority:
+            given.append((cls, priority))
+            await hold.wait()
+
+    tasks = [asyncio.create_task(request(c)) for c in ("lo", "lo", "hi", "hi", "hi", "lo", "lo")]
+    await settle()
+    gate = gates.gates["m"]
+    assert given == [("lo", 2), ("lo", 2), ("hi", 1), ("hi", 1)] and gate.queued() == 3
+    clock.advance(1.9)
+    gates.poke()
+    await settle()
+    assert gate.queued() == 3 and observer.boosts == []
+    clock.advance(0.1)
+    gates.poke()
+    await settle()
+    assert given[4:] == [("lo", 1), ("lo", 1)] and observer.boosts == ["lo", "lo"]
+    assert gate.in_flight() == 6 and gate.queued() == 1  # hi's third waits for a slot
+    hold.set()
+    await asyncio.gather(*tasks)
+    assert gate.in_flight() == 0 and given[-1] == ("hi", 1)
+    gates.close()
+
+
 async def test_an_admission_reads_its_class_backlog_when_it_leaves_the_queue() -> None:
     # Placement packs a capped class into its lane while the class's requests queue
     # (``pack_capped: backlogged``): it reads the backlog when the request leaves the gate.
