@@ -468,6 +468,15 @@ def _catalog() -> dict[str, ArmPlan]:
                     "(starved_after_s 2): the class default since session 36",
                     {"shed_late": True, "starved_after_s": 2.0},
                 ),
+                (
+                    "+late+spare_third+boost5",
+                    LANE_DEPTH,
+                    SHALLOW_DEPTH,
+                    (1, 1 / 3),
+                    ", spare_fraction 1/3, deadline admission (shed_late) and the floor boost "
+                    "after 5 s (starved_after_s 5)",
+                    {"shed_late": True, "starved_after_s": 5.0},
+                ),
             )
         ),
         _class_default(

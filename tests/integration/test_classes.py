@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -60,6 +61,7 @@ class Watch(GateObserver):
         self.proxy: ProxyThread | None = None
         self.dispatched: list[tuple[str, int]] = []
         self.shed: Counter[str] = Counter()
+        self.boosted: Counter[str] = Counter()
 
     def offline_queued(self) -> int:
         assert self.proxy is not None
@@ -71,6 +73,9 @@ class Watch(GateObserver):
 
     def on_shed(self, class_name: str, reason: Any) -> None:
         self.shed[class_name] += 1
+
+    def on_boost(self, class_name: str) -> None:
+        self.boosted[class_name] += 1
 
 
 async def post(
@@ -286,3 +291,89 @@ async def test_deadline_admission_sheds_what_would_be_late_never_a_throughput_cl
         for failure in failures:
             assert isinstance(failure, InferenceServerException), failure
             assert failure.status() == "StatusCode.RESOURCE_EXHAUSTED", failure
+
+
+STORM_MS = 100
+BOOST_POLICY: dict[str, Any] = {
+    "routing": {"wake": {"nudge": False}},
+    "scheduling": {
+        "default_class": "offline",
+        "concurrency": 32,  # 96 slots: the proxy holds no real-time request back
+        "starved_after_s": 1.0,
+        "api_keys": {RT_KEY: {"class_name": "realtime"}, OFF_KEY: {"class_name": "offline"}},
+        "classes": {
+            "realtime": {"rank": 0, "triton_priority": 1},
+            "offline": {
+                "rank": 1,
+                "triton_priority": 3,
+                "min_share": 0.2,
+                "max_concurrency": 3,
+                "queue_timeout_s": 60,
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("boost", [True, False], ids=["boost", "no_boost"])
+async def test_a_starved_class_keeps_its_floor_inside_tritons_priority_queue(
+    triton_fleet: Any, boost: bool
+) -> None:
+    """Issue 10 point 4 on real Triton servers: 64 real-time clients keep every sleeper's
+    priority queue (batches of 8, 100 ms each) full of level-1 work, so Triton never starts
+    the offline requests the proxy sends at level 3, however many slots offline holds.
+    ``boost``: after starved_after_s (1 s) without an answer to them, offline's next requests
+    go at real-time's level and complete all through the storm; the three stuck ones are
+    answered once it ends. ``no_boost``: the same storm with starved_after_s null, the premise:
+    offline completes nothing until the storm ends."""
+    watch = Watch()
+    url = "/v2/models/sleeper/infer"
+    scheduling = dict(BOOST_POLICY["scheduling"])
+    if not boost:
+        scheduling["starved_after_s"] = None
+    policy = {**BOOST_POLICY, "scheduling": scheduling}
+    with running_proxy(triton_fleet.servers, policy, gate_observer=watch) as p:
+        watch.proxy = p
+        base = f"http://{p.http}"
+
+        async def send(session: aiohttp.ClientSession, key: str, ms: int) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with session.post(base + url, data=sleeper_body(ms), headers=headers) as r:
+                await r.read()
+                return r.status
+
+        statuses: Counter[tuple[str, int]] = Counter()
+        offline_done: list[float] = []
+        storm = asyncio.Event()
+
+        async def realtime(session: aiohttp.ClientSession) -> None:
+            while not storm.is_set():
+                statuses["realtime", await send(session, RT_KEY, STORM_MS)] += 1
+
+        async def offline(session: aiohttp.ClientSession, until_t: float) -> None:
+            while time.monotonic() < until_t:
+                statuses["offline", await send(session, OFF_KEY, 10)] += 1
+                offline_done.append(time.monotonic())
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            rt = [asyncio.create_task(realtime(session)) for _ in range(64)]
+            await asyncio.sleep(1.0)  # Triton's queues fill with real-time work
+            started = time.monotonic()
+            off = [asyncio.create_task(offline(session, started + 5.0)) for _ in range(6)]
+            await asyncio.sleep(5.0)
+            storm.set()
+            ended = time.monotonic()
+            await asyncio.gather(*rt, *off)
+        during = [t - started for t in offline_done if t < ended]
+        assert set(statuses) <= {("realtime", 200), ("offline", 200)}, statuses
+        assert statuses["offline", 200] >= 3  # the stuck ones, answered after the storm
+        text = p.runtime.telemetry.exposition().decode()
+        if boost:
+            # Boosted from about 1 s in, and answered within a batch or two each.
+            assert len(during) >= 10 and min(during) < 2.5, during
+            assert watch.boosted["offline"] >= len(during)
+            line = r'^triton_proxy_boosted_total\{class="offline"\} (\S+)$'
+            exported = re.search(line, text, re.M)
+            assert exported and float(exported.group(1)) == watch.boosted["offline"], text
+        else:
+            assert during == [] and not watch.boosted, during

@@ -245,22 +245,31 @@ def test_a_starved_class_sends_its_reservation_boosted_beyond_every_slot() -> No
     # Before starved_after_s (2 s by default) nothing goes: every slot is taken.
     assert q.pop(1.99, 10) is None
     assert q.next_expiry(1.0) == pytest.approx(2.0)
-    # Then lo's reservation (floor(0.3 x 10) = 3) goes boosted, whatever hi holds.
+    # Then a round of lo's reservation (floor(0.3 x 10) = 3) goes boosted, whatever hi holds.
     boosted = [q.pop(2.0, 10) for _ in range(4)]
     assert [e.item if e else None for e in boosted] == ["l3", "l4", "l5", None]
     assert all(e is not None and e.boosted for e in boosted[:3])
     assert q.in_flight("lo") == 6 and q.in_flight() == 13
-    # A boosted answer is not progress: its slot goes to the next boosted one at once.
+    # The round sent its reservation: nothing more until all three are answered ...
     q.release("lo", 2.5, boosted=True)
-    nxt = q.pop(2.5, 10)
-    assert nxt is not None and nxt.item == "l6" and nxt.boosted
-    # An answer of one stuck inside (not boosted) is: no boost for another 2 s.
-    q.release("lo", 3.0)
+    assert q.pop(2.5, 10) is None
     q.release("lo", 3.0, boosted=True)
-    assert q.next_expiry(3.0) == pytest.approx(5.0)
-    assert q.pop(3.0, 10) is None  # 11 of 10 slots still taken
-    assert q.pop(4.9, 10) is None
-    late = q.pop(5.0, 10)
+    q.release("lo", 3.0, boosted=True)
+    # ... and the rest after it: rounds take min_share x instances (0.3 x 1) of the time, so
+    # a round of 1 s rests 1 x (1 / 0.3 - 1) = 2.33 s. A boosted answer is not progress: lo
+    # is still starved.
+    assert q.next_expiry(3.0) == pytest.approx(3.0 + 1.0 * (1 / 0.3 - 1))
+    assert q.pop(5.3, 10) is None
+    again = q.pop(5.34, 10)
+    assert again is not None and again.item == "l6" and again.boosted
+    # An answer of one stuck inside (not boosted) is progress: no boost for another 2 s.
+    q.release("lo", 5.5, boosted=True)
+    q.release("lo", 5.5)
+    freed = q.pop(5.5, 10)  # its slot goes back to lo's reservation, not boosted
+    assert freed is not None and freed.class_name == "lo" and not freed.boosted
+    assert q.pop(7.49, 10) is None
+    assert q.next_expiry(6.0) == pytest.approx(7.5)
+    late = q.pop(7.5, 10)
     assert late is not None and late.boosted
 
 
