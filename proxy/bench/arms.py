@@ -195,7 +195,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
@@ -465,7 +465,8 @@ def _catalog() -> dict[str, ArmPlan]:
                     SHALLOW_DEPTH,
                     (1, 1 / 3),
                     ", spare_fraction 1/3, deadline admission (shed_late) and the floor boost "
-                    "(starved_after_s 2): the class default since session 36",
+                    "after 2 s (starved_after_s 2; it fired in surge.yaml x1's surges, where "
+                    "the floor held without it, and cost online there)",
                     {"shed_late": True, "starved_after_s": 2.0},
                 ),
                 (
@@ -474,7 +475,7 @@ def _catalog() -> dict[str, ArmPlan]:
                     SHALLOW_DEPTH,
                     (1, 1 / 3),
                     ", spare_fraction 1/3, deadline admission (shed_late) and the floor boost "
-                    "after 5 s (starved_after_s 5)",
+                    "after 5 s (starved_after_s 5): the class default since session 36",
                     {"shed_late": True, "starved_after_s": 5.0},
                 ),
             )

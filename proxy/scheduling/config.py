@@ -13,7 +13,7 @@ path inside it. Omitting the section gives three classes::
       concurrency: null                 # per-instance dispatch slots; null = derived
       slot_sharing: shared              # or by_rank: a class counts only the slots held by
                                         # classes at least as important as itself
-      starved_after_s: 2.0              # a min_share class answered nothing for this long:
+      starved_after_s: 5.0              # a min_share class answered nothing for this long:
                                         # its reservation goes at the top class's priority
       throughput_lane: true             # classes without an SLO, below one with it: a long
                                         # lane per model (SchedulingConfig.throughput_lane)
@@ -369,17 +369,18 @@ class SchedulingConfig:
     ``burst.yaml`` x2 (36 % -> 21 % within its SLO): batches padded by offline bursts make
     everyone late, and shedding cannot help that; hence not under a policy that does not
     pack."""
-    starved_after_s: float | None = 2.0
+    starved_after_s: float | None = 5.0
     """The floor boost: a class with a ``min_share`` below the top class whose requests in
     flight have had none answered for this long, while more wait at the gate, is *starved*:
     Triton's priority queue serves every more important level first, so under a sustained
     overload of those its requests wait inside Triton for ever, holding the slots its
-    reservation gave them. While starved, the class's next dispatches go at the top class's
-    Triton priority (``triton_priority_for(top_class())``), beyond its own limits, up to its
-    reservation (``floor(min_share x capacity)``, at least one) in flight at once: the
-    reservation holds inside Triton too. Only its other requests' answers end it (a boosted
-    one's does not, so the floor keeps flowing while they stay stuck). ``null``: never.
-    Measured on ``surge.yaml`` at 2x (docs/benchmarks.md, thirty-sixth round)."""
+    reservation gave them. While starved, the class's next requests go at the top class's
+    Triton priority (``triton_priority_for(top_class())``), beyond its own limits, in rounds
+    of up to its reservation (``floor(min_share x capacity)``, at least one) with rests that
+    keep the rounds to about ``min_share`` of the fleet (``proxy.scheduling.queues._Boost``):
+    the reservation holds inside Triton too. Only an answer to one of its other requests ends
+    it. ``null``: never. Measured on ``surge.yaml`` (docs/benchmarks.md, thirty-sixth
+    round)."""
     late_by: LateBy = "mean"
     """With ``shed_late``, what a request that has waited is held to against its class's SLO:
     ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that

@@ -26,12 +26,12 @@ Order of one ``pop``:
 
 Before all of this, the floor boost (``starved_after_s``): a class with a ``min_share`` below
 the top class whose requests in flight have had none answered for ``starved_after_s``, while
-more of it is queued, dispatches its head whatever the slots, its limit and the others hold,
-up to its reservation of *boosted* requests in flight; the gate sends those at the top class's
-Triton priority (:attr:`Entry.boosted`). Under a sustained overload of the classes above it,
-Triton's priority queue would otherwise never start the class's requests, however many slots
-the proxy reserved for them (``surge.yaml`` at 2x: 0-5 offline completions per 10 s window
-against a floor of 36).
+more of it is queued, dispatches its head whatever the slots, its limit and the others hold:
+*boosted*, in rounds of up to its reservation with rests between them (:class:`_Boost`); the
+gate sends those at the top class's Triton priority (:attr:`Entry.boosted`). Under a sustained
+overload of the classes above it, Triton's priority queue would otherwise never start the
+class's requests, however many slots the proxy reserved for them (``surge.yaml`` at 2x: 0-5
+offline completions per 10 s window against a floor of 36).
 
 Shedding happens at ``push``: a full class queue sheds the newcomer (``queue_full``); a full
 global queue (``max_queued_total``) evicts the newest request of the least important class

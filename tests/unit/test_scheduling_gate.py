@@ -361,6 +361,7 @@ async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() 
     section = {
         "default_class": "lo",
         "concurrency": 4,
+        "starved_after_s": 2.0,
         "classes": {
             "hi": {"rank": 0, "triton_priority": 1},
             "lo": {"rank": 1, "triton_priority": 2, "min_share": 0.5},

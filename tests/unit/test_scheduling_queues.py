@@ -231,6 +231,7 @@ _HI_LO = {
 def _starving(**section: Any) -> ClassQueues[str]:
     """hi fills every slot but lo's reservation (3 of 10), lo holds its 3 in flight: stuck
     behind hi inside Triton from t = 0, with more of both queued."""
+    section.setdefault("starved_after_s", 2.0)
     q = make(_HI_LO, **section)
     for i in range(20):
         q.push(f"h{i}", "hi", 0.0)
@@ -242,7 +243,7 @@ def _starving(**section: Any) -> ClassQueues[str]:
 
 def test_a_starved_class_sends_its_reservation_boosted_beyond_every_slot() -> None:
     q = _starving()
-    # Before starved_after_s (2 s by default) nothing goes: every slot is taken.
+    # Before starved_after_s (2 s here) nothing goes: every slot is taken.
     assert q.pop(1.99, 10) is None
     assert q.next_expiry(1.0) == pytest.approx(2.0)
     # Then a round of lo's reservation (floor(0.3 x 10) = 3) goes boosted, whatever hi holds.
