@@ -105,7 +105,7 @@ import yaml
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
 from proxy.bench.procs import stop_process
-from proxy.bench.results import PROXY_COPIES, PROXY_RSS
+from proxy.bench.results import PROXY_BOOSTED, PROXY_COPIES, PROXY_RSS
 from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
 from proxy.bench.trace import class_probe, with_counters
@@ -1237,6 +1237,7 @@ TRITON_PENDING = "nv_inference_pending_request_count"
 PROXY_IN_FLIGHT = "triton_proxy_instance_in_flight"
 PROXY_OCCUPANCY = "triton_proxy_model_occupancy"
 PROXY_NUDGES = "triton_proxy_quiet_nudges_total"
+PROXY_BOOSTS = "triton_proxy_boosted_total"
 
 
 def triton_pending_probe(servers: Sequence[Server], model: str, trace: bool = False) -> LoadProbe:
@@ -1257,8 +1258,8 @@ def proxy_probe(
     servers: Sequence[Server], model: str, endpoints: ProxyEndpoints, trace: bool = False
 ) -> LoadProbe:
     """Triton's queued requests plus the proxy's own in-flight count per instance (and its
-    model occupancy, wake copies and memory); with ``trace``, Triton's batch counters and the
-    proxy's in-flight count by class too (:mod:`proxy.bench.trace`)."""
+    model occupancy, wake copies, floor boosts and memory); with ``trace``, Triton's batch
+    counters and the proxy's in-flight count by class too (:mod:`proxy.bench.trace`)."""
     pending = _pending(servers, model)
     parts: list[tuple[LoadProbe, str]] = (
         [(with_counters(pending, model, " queued"), "")] if trace else [(pending, " queued")]
@@ -1270,6 +1271,8 @@ def proxy_probe(
         copies = PrometheusGaugeProbe(page, PROXY_NUDGES)  # summed: key "proxy"
         scrape = [(in_flight, " proxy in flight"), (occupancy, " occupancy")]
         scrape.append((copies, PROXY_COPIES.removeprefix("proxy")))
+        boosted = PrometheusGaugeProbe(page, PROXY_BOOSTS)  # summed over classes
+        scrape.append((boosted, PROXY_BOOSTED.removeprefix("proxy")))
         if trace:
             scrape.append(class_probe(page, model))
         parts.append((OneScrapeProbe(scrape), ""))

@@ -126,6 +126,8 @@ def render_table(report: Report) -> str:
             notes.append(f"proxy RSS max {max(rss):.0f} MiB")
         if per_request := copies_per_request(ok):
             notes.append(f"wake copies {per_request:.2f}/request")
+        if boosted := [a.proxy_boosted for a in ok if a.proxy_boosted]:
+            notes.append(f"floor boosts {sum(boosted) / len(ok):.0f}/run")
         lines.append(
             f"{arm:<{w}} {(float(np.median(thr)) if thr else 0.0):>8.1f} {least_txt:>28} "
             f"{_ms(lag):>11}  {' | '.join(notes)}"

@@ -26,7 +26,10 @@ in SLO attainment instead, which is where a scheduler that sheds to look fast pa
 - the proxy's memory (RSS) when the arm's probe reports it (:data:`PROXY_RSS`);
 - the copies the proxy sent to wake Triton's batcher (``routing.wake.nudge``: each a whole
   request Triton receives, rejects or runs, and the proxy drops the answer of) when the arm's
-  probe reports them (:data:`PROXY_COPIES`): the price of the nudge, per request.
+  probe reports them (:data:`PROXY_COPIES`): the price of the nudge, per request;
+- the requests the proxy sent at the top class's priority because their class was starved of
+  its ``min_share`` (the floor boost, ``scheduling.starved_after_s``), when the arm's probe
+  reports them (:data:`PROXY_BOOSTED`).
 
 Ratios between arms are taken within one repetition (same schedule, same machine state) and
 then summarised across repetitions; absolute times from different runs are not compared.
@@ -58,7 +61,9 @@ PROXY_RSS = "proxy rss MiB"
 """Probe sample key holding the proxy process's resident memory (proxy arms only)."""
 PROXY_COPIES = "proxy copies"
 """Probe sample key holding the proxy's ``triton_proxy_quiet_nudges_total`` (a counter)."""
-NOT_LOAD = frozenset({PROXY_RSS, PROXY_COPIES})
+PROXY_BOOSTED = "proxy boosted"
+"""Probe sample key holding the proxy's ``triton_proxy_boosted_total`` (a counter)."""
+NOT_LOAD = frozenset({PROXY_RSS, PROXY_COPIES, PROXY_BOOSTED})
 """Probe sample keys that are not an instance's load."""
 
 
@@ -196,7 +201,9 @@ class ArmResult:
     """``first`` / ``max`` / ``last`` probed RSS of the proxy process, MiB (proxy arms)."""
     proxy_copies: float | None = None
     """Copies the proxy sent to wake Triton's batcher after the warm-up (proxy arms that
-    report them: none sent at all reads as None), :func:`copies_sent`."""
+    report them: none sent at all reads as None), :func:`counted`."""
+    proxy_boosted: float | None = None
+    """Requests the floor boost sent after the warm-up (None as for ``proxy_copies``)."""
 
     def min_window(self, cls: str) -> int | None:
         w = self.windows.get(cls)
@@ -252,6 +259,7 @@ class ArmResult:
             "sheds": dict(self.sheds),
             "proxy_rss_mib": self.proxy_rss_mib,
             "proxy_copies": self.proxy_copies,
+            "proxy_boosted": self.proxy_boosted,
         }
 
 
@@ -334,11 +342,12 @@ def rss_summary(rec: RunRecords) -> dict[str, float] | None:
     return {"first": values[0], "max": max(values), "last": values[-1]}
 
 
-def copies_sent(rec: RunRecords, warmup_s: float) -> float | None:
-    """The proxy's wake copies from the end of the warm-up (the last probe by then) to the
-    run's last probe that read it, or None when none did (the counter has no sample until
-    the first copy: until then it reads 0)."""
-    seen = [(t, s[PROXY_COPIES]) for t, s in rec.load_samples if PROXY_COPIES in s]
+def counted(rec: RunRecords, key: str, warmup_s: float) -> float | None:
+    """A proxy counter the probe reads under ``key`` (:data:`PROXY_COPIES`,
+    :data:`PROXY_BOOSTED`) from the end of the warm-up (the last probe by then) to the run's
+    last probe that read it, or None when none did (a labelled counter has no sample until
+    its first count: until then it reads 0)."""
+    seen = [(t, s[key]) for t, s in rec.load_samples if key in s]
     if not seen:
         return None
     before = [value for t, value in seen if t <= warmup_s]
@@ -373,7 +382,8 @@ def summarize_run(
         window_s=window_s,
         sheds=Counter(rec.sheds),
         proxy_rss_mib=rss_summary(rec),
-        proxy_copies=copies_sent(rec, scenario.warmup_s),
+        proxy_copies=counted(rec, PROXY_COPIES, scenario.warmup_s),
+        proxy_boosted=counted(rec, PROXY_BOOSTED, scenario.warmup_s),
     )
     bucket = np.fromiter((a.bucket for a in schedule), dtype=np.int64, count=n)
 

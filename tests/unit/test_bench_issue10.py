@@ -31,6 +31,7 @@ from proxy.bench.arms import (
 from proxy.bench.capacity import ACCEL_SIM_MAX_BATCH, class_capacity, fifo_batches, fifo_capacity
 from proxy.bench.report import render_table
 from proxy.bench.results import (
+    PROXY_BOOSTED,
     PROXY_COPIES,
     PROXY_RSS,
     ArmResult,
@@ -38,7 +39,7 @@ from proxy.bench.results import (
     Repetition,
     Report,
     copies_per_request,
-    copies_sent,
+    counted,
     rss_summary,
     summarize_run,
     window_counts,
@@ -307,7 +308,7 @@ def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
         rec.outcome[i] = out
     rec.sheds["off late"] = 1
     rec.load_samples = [(0.5, {PROXY_RSS: 80.0}), (1.0, {PROXY_RSS: 95.0, "t0": 1}), (1.5, {})]
-    rec.load_samples.append((2.5, {PROXY_COPIES: 3.0}))  # the counter's first sample
+    rec.load_samples.append((2.5, {PROXY_COPIES: 3.0, PROXY_BOOSTED: 7.0}))  # first samples
     arm = summarize_run("x", sc, sched, rec)
     # windows [52, 62) and [62, 72): finishes at 54, 56, 64 (25 s is past the period)
     assert arm.windows["off"] == [2, 1]
@@ -319,12 +320,13 @@ def test_summarize_run_counts_ok_completions_per_window_by_finish_time():
     assert arm.proxy_rss_mib == {"first": 80.0, "max": 95.0, "last": 95.0}
     probe = next(s for s in arm.loads if s.source == "probe")
     assert PROXY_RSS not in probe.values  # memory is not an instance's load
-    assert PROXY_COPIES not in probe.values
+    assert PROXY_COPIES not in probe.values and PROXY_BOOSTED not in probe.values
     assert arm.proxy_copies == 3.0  # counted from 0: no probe by the warm-up's end saw it
+    assert arm.proxy_boosted == 7.0
     assert copies_per_request([arm]) == 3.0 / 4  # the measured period schedules 4
     rec.load_samples[1][1][PROXY_COPIES] = 1.0  # seen at 1 s, in the warm-up (2 s)
-    assert copies_sent(rec, 2.0) == 2.0
-    assert copies_sent(rec, 0.7) == 3.0
+    assert counted(rec, PROXY_COPIES, 2.0) == 2.0
+    assert counted(rec, PROXY_COPIES, 0.7) == 3.0
     assert copies_per_request([summarize_run("y", sc, sched, RunRecords.empty(5, 0.0))]) is None
     assert json.dumps(arm.to_dict())
 
