@@ -484,8 +484,10 @@ class ClassQueues(Generic[T]):
         self, class_name: str, answered_at: float | None = None, *, boosted: bool = False
     ) -> None:
         """Give back a slot taken by :meth:`pop` for ``class_name``. ``answered_at``: when
-        its request was answered (None: it was not sent, or not answered); ``boosted``: the
-        entry was (:attr:`Entry.boosted`)."""
+        its request left the proxy's hands (None: it was never sent); ``boosted``: the entry
+        was (:attr:`Entry.boosted`). The gate cannot tell an answer from a client that gave
+        up or an error: any release of a sent request counts as progress for the floor
+        boost, which errs towards not boosting."""
         held = self._in_flight.get(class_name, 0)
         if held <= 0:
             raise RuntimeError(f"release of class {class_name!r} with nothing in flight")
