@@ -182,6 +182,7 @@ class Runtime:
                 packs_long=self._packs_long,
             )
             classifier = Classifier(config.scheduling)
+            self._export_boostable(config.scheduling)
         self.observers = RequestObservers([RequestTelemetry(telemetry)])
         """Every finished request fans out from here (telemetry, control loops)."""
         self.model_control = ModelControl(self.upstreams)
@@ -234,6 +235,12 @@ class Runtime:
         self._set_canary(config)
 
     # --- wiring -------------------------------------------------------------------------
+    def _export_boostable(self, scheduling: SchedulingConfig) -> None:
+        """``triton_proxy_boosted_total`` at 0 for every class the floor boost may lift, so
+        a dashboard's rate reads 0 rather than no data until the first boost."""
+        for klass in scheduling.boosted_classes():
+            self.telemetry.boosted.labels(klass)
+
     def _scheduling(self, config: ProxyConfig) -> SchedulingConfig:
         """This process's part of the scheduling section (all of it without workers)."""
         assert config.scheduling is not None
@@ -500,6 +507,8 @@ class Runtime:
             )
         else:
             self.gates.reconfigure(self._scheduling(config))
+        if config.scheduling is not None:
+            self._export_boostable(config.scheduling)
         self.dispatcher.reconfigure(
             admission=self.gates,
             classifier=classifier,

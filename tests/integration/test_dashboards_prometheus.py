@@ -80,8 +80,15 @@ POLICY: dict[str, Any] = {
                 "max_queue": 100,
                 "queue_timeout_s": 0.001,
             },
-            # A short queue: bursts overflow it, shed_queue_full.
-            "offline": {"rank": 2, "triton_priority": 3, "max_queue": 3, "queue_timeout_s": 30},
+            # A short queue: bursts overflow it, shed_queue_full. A min_share: the floor
+            # boost's counter is exported (at 0) for it.
+            "offline": {
+                "rank": 2,
+                "triton_priority": 3,
+                "max_queue": 3,
+                "queue_timeout_s": 30,
+                "min_share": 0.1,
+            },
         },
     },
 }
