@@ -101,11 +101,14 @@ class PushResult(Generic[T]):
 @dataclass(slots=True)
 class _Boost:
     """A class's floor boost (module doc), sent in rounds: a round sends up to the class's
-    reservation at once (so they batch together) and ends when the last of them is answered;
-    the next may start only after a rest long enough that rounds take ``fleet_share`` of the
-    time (``min_share x instances``, at most 1): ``rest = length x (1 / fleet_share - 1)``,
-    as if a round kept one instance busy while it lasts. A rate, not an exact share: the
-    length counts the wait behind the top level's queue too. Measured at ``surge.yaml`` x2
+    reservation at once and ends when the last of them is answered; the next may start only
+    after a rest long enough that rounds take ``fleet_share`` of the time (``min_share x
+    instances``, at most 1): ``rest = length x (1 / fleet_share - 1)``, as if a round kept
+    one instance busy while it lasts. A rate, not an exact share: the length counts the wait
+    behind the top level's queue too, and a round may spread over instances. At
+    ``surge.yaml`` x2 a round was 19 offline requests (0.1 x 192 adaptive slots: 4.75 full
+    batches, 1.6 s of one emulated device) every 5 s or so on three servers, about the
+    tenth of the fleet its ``min_share`` asks. Measured at ``surge.yaml`` x2
     (docs/benchmarks.md, thirty-sixth round): boosting the reservation continuously held
     offline at twice its floor and cost real-time (43 % -> 23 % within its SLO) and online
     (93 % -> 45 %); these rounds hold the floor (40-61 per window against 36) for 5 and 7-15
@@ -433,8 +436,8 @@ class ClassQueues(Generic[T]):
         self._total_in_flight += 1
 
     def _starved(self, now: float, capacity: int) -> str | None:
-        """The class the floor boost dispatches next (module doc), or None: the one starved
-        the longest, if its boosted requests in flight are fewer than its reservation."""
+        """The class the floor boost dispatches next (module doc), or None: of those with
+        work queued that :meth:`_may_boost`, the one starved the longest."""
         after = self._config.starved_after_s
         if after is None:
             return None
