@@ -218,3 +218,33 @@ def test_merged_pages_are_written_as_generate_latest_would() -> None:
     plain = CollectorRegistry()
     plain.register(Families(families))
     assert merged == generate_latest(plain) == render_families(families)
+
+
+@pytest.mark.parametrize("starved_after_s", [5.0, None], ids=["boost", "off"])
+def test_the_floor_boost_counter_reads_zero_for_every_class_it_may_lift(
+    starved_after_s: float | None,
+) -> None:
+    # A dashboard's rate of it reads 0 rather than no data before the first boost: the
+    # classes with a min_share below the top one, and only where the boost is on.
+    classes = {
+        "realtime": {"rank": 0, "min_share": 0.2},
+        "online": {"rank": 1, "min_share": 0.1},
+        "offline": {"rank": 2},
+    }
+    doc = {
+        "instances": [{"name": "a", "http": "http://127.0.0.1:1"}],
+        "scheduling": {
+            "default_class": "offline",
+            "classes": classes,
+            "starved_after_s": starved_after_s,
+        },
+    }
+    telemetry = Telemetry()
+    Runtime(config_mod.parse(doc, "p"), FakeClock(), random.Random(0), telemetry)
+    families = {f.name: f for f in text_string_to_metric_families(telemetry.exposition().decode())}
+    samples = [
+        (s.labels["class"], s.value)
+        for s in families["triton_proxy_boosted"].samples
+        if s.name == "triton_proxy_boosted_total"
+    ]
+    assert samples == ([("online", 0.0)] if starved_after_s else [])
