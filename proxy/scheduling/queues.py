@@ -121,6 +121,15 @@ class _Boost:
     fleet_share: float = 1.0
     rest_until: float = 0.0
 
+    def send(self, now: float, fleet_share: float) -> None:
+        """One request more sent boosted; the first while none is in flight opens a round."""
+        if not self.in_flight:
+            self.sent = 0
+            self.started = now
+            self.fleet_share = fleet_share
+        self.in_flight += 1
+        self.sent += 1
+
     def release(self, answered_at: float | None) -> None:
         """One of the round's requests left (``answered_at``: when it was answered; None:
         it was not); the last ends the round."""
@@ -154,6 +163,8 @@ class ClassQueues(Generic[T]):
         """Per class: when one of its requests that was not boosted was last answered, or
         when the class last started holding such requests (the floor boost's clock)."""
         self._floored = config.boosted_classes()
+        """The classes the floor boost may lift (none while ``starved_after_s`` is null)."""
+        self._starved_after = config.starved_after_s or 0.0
 
     def set_share_scale(self, class_name: str, factor: float) -> None:
         """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
@@ -285,14 +296,12 @@ class ClassQueues(Generic[T]):
         class with requests queued and stuck in flight turns starved (the floor boost), if
         that is later than ``now``, or its next boost round may start; None: neither."""
         soonest: float | None = None
-        after = self._config.starved_after_s
-        if now is not None and after is not None:
+        if now is not None:
             for name in self._floored:
-                boost = self._boosts.get(name)
-                boosted = boost.in_flight if boost is not None else 0
-                if self._queues[name] and self._in_flight.get(name, 0) > boosted:
-                    at = self._progress_at.get(name, now) + after
-                    if boost is not None and not boosted:
+                if self._queues[name] and self._unboosted(name):
+                    at = self._progress_at.get(name, now) + self._starved_after
+                    boost = self._boosts.get(name)
+                    if boost is not None and not boost.in_flight:
                         at = max(at, boost.rest_until)
                     if at > now and (soonest is None or at < soonest):
                         soonest = at
@@ -322,12 +331,7 @@ class ClassQueues(Generic[T]):
         if self._total_queued:
             return False
         self._arrived_at[class_name] = now
-        after = self._config.starved_after_s
-        if (
-            after is not None
-            and class_name in self._floored
-            and self._may_boost(class_name, now, capacity, after)
-        ):
+        if class_name in self._floored and self._may_boost(class_name, now, capacity):
             return False  # the pop boosts it
         cls = self._config.classes[class_name]
         held = self._in_flight.get(class_name, 0)
@@ -405,42 +409,42 @@ class ClassQueues(Generic[T]):
 
     def _dispatch(self, name: str, now: float) -> Entry[T]:
         """Take ``name``'s head out of its queue and its slot."""
-        _, entry = self._queues[name].popitem(last=False)
-        self._total_queued -= 1
+        entry = self._head(name)
         self._taken(name, now)
         return entry
 
     def _boost(self, name: str, now: float, instances: int) -> Entry[T]:
         """Take ``name``'s head out of its queue, boosted (module doc), beyond every limit."""
+        entry = self._head(name)
+        entry.boosted = True
+        share = min(1.0, self._config.classes[name].min_share * instances)
+        self._boosts.setdefault(name, _Boost()).send(now, share)
+        self._take_slot(name)
+        return entry
+
+    def _head(self, name: str) -> Entry[T]:
         _, entry = self._queues[name].popitem(last=False)
         self._total_queued -= 1
-        entry.boosted = True
-        boost = self._boosts.setdefault(name, _Boost())
-        if not boost.in_flight:  # a new round
-            boost.sent = 0
-            boost.started = now
-            boost.fleet_share = min(1.0, self._config.classes[name].min_share * instances)
-        boost.in_flight += 1
-        boost.sent += 1
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
-        self._total_in_flight += 1
         return entry
 
     def _taken(self, name: str, now: float) -> None:
         """A slot taken for a request of ``name`` that is not boosted."""
-        held = self._in_flight.get(name, 0)
-        boost = self._boosts.get(name)
-        if held == (boost.in_flight if boost is not None else 0):
+        if not self._unboosted(name):
             self._progress_at[name] = now  # its first unboosted one: the boost's clock starts
-        self._in_flight[name] = held + 1
+        self._take_slot(name)
+
+    def _take_slot(self, name: str) -> None:
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
         self._total_in_flight += 1
+
+    def _unboosted(self, name: str) -> int:
+        """Requests of ``name`` in flight that the floor boost did not send."""
+        boost = self._boosts.get(name)
+        return self._in_flight.get(name, 0) - (boost.in_flight if boost is not None else 0)
 
     def _starved(self, now: float, capacity: int) -> str | None:
         """The class the floor boost dispatches next (module doc), or None: of those with
         work queued that :meth:`_may_boost`, the one starved the longest."""
-        after = self._config.starved_after_s
-        if after is None:
-            return None
         chosen: str | None = None
         since = 0.0
         for name in self._floored:
@@ -448,25 +452,24 @@ class ClassQueues(Generic[T]):
             if (
                 self._queues[name]
                 and (chosen is None or at < since)
-                and self._may_boost(name, now, capacity, after)
+                and self._may_boost(name, now, capacity)
             ):
                 chosen, since = name, at
         return chosen
 
-    def _may_boost(self, name: str, now: float, capacity: int, after: float) -> bool:
+    def _may_boost(self, name: str, now: float, capacity: int) -> bool:
         """``name`` has requests in flight that were not boosted and none of them answered
-        for ``after`` seconds, and either a boost round is open with fewer sent than its
+        for ``starved_after_s``, and either a boost round is open with fewer sent than its
         reservation (at least one), or the last round's rest is over (:class:`_Boost`).
         Whether it has any queued is the caller's to check."""
-        boost = self._boosts.get(name)
-        boosted = boost.in_flight if boost is not None else 0
-        if self._in_flight.get(name, 0) == boosted:
+        if not self._unboosted(name):
             return False  # none stuck: its reservation dispatches it as usual
-        if now - self._progress_at.get(name, now) < after:
+        if now - self._progress_at.get(name, now) < self._starved_after:
             return False
+        boost = self._boosts.get(name)
         if boost is None:
             return True
-        if not boosted:
+        if not boost.in_flight:
             return now >= boost.rest_until
         share = self._config.classes[name].min_share
         return boost.sent < max(1, math.floor(share * capacity + _EPS))
@@ -541,6 +544,7 @@ class ClassQueues(Generic[T]):
         self._config = config
         self._top_rank = min(c.rank for c in config.classes.values())
         self._floored = config.boosted_classes()
+        self._starved_after = config.starved_after_s or 0.0
 
     def _least_important_queued(self) -> str | None:
         candidates = [n for n, q in self._queues.items() if q]
