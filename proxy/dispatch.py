@@ -484,7 +484,7 @@ class Dispatcher:
                 "class_cap": cap,
                 "class_queued": backlog,
                 "batch": max(1, batch),
-                "occupancy": self.fleet.occupancy.get(call.model),
+                "occupancy": self.fleet.occupancy_for(call.model, cap is not None),
                 "free_of_long": self.fleet.long_free.get(call.model),
                 "rows": call.rows,
                 "batcher": self._batcher(call.model, r.info),

@@ -37,7 +37,7 @@ from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
-from proxy.routing.occupancy import busy_shares, long_free
+from proxy.routing.occupancy import Occupancy, busy_shares, long_free
 from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -272,6 +272,15 @@ class Runtime:
     def _canary_packs_long(self, model: str) -> bool:
         return (self.canary_router or self.router).packs_long(model)
 
+    def _busy_depth(self, model: str) -> int:
+        """Requests of ``model`` in flight per instance that make its occupancy 1:
+        ``routing.occupancy_depth`` of its ``max_batch_size``, this worker's share of it with
+        ``serve --workers`` (each sees its own requests only), at least 1."""
+        share = self.config.routing.occupancy_depth
+        info = self.catalog.cached(model)
+        batch = info.max_batch_size if info is not None else 1
+        return max(1, round(share * batch / self.workers))
+
     def _woke(self, instance: str) -> None:
         self.telemetry.wakes.labels(instance).inc()
 
@@ -327,16 +336,21 @@ class Runtime:
             task.add_done_callback(self._nudging.discard)
 
     async def _measure_occupancy(self) -> None:
-        """Every ``SAMPLE_S``: the fleet's busy share per model, and its instances free of
-        long work (proxy.routing.occupancy)."""
+        """Every ``SAMPLE_S``: the fleet's busy share per model, with
+        ``routing.occupancy_depth`` its fill, and its instances free of long work
+        (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
             fleet, gates = self.fleet, self.gates
-            fleet.occupancy.sample(
-                busy_shares(fleet.instances.values()),
-                self.clock.now(),
-                gates.saturated() if gates is not None else (),
-            )
+            now, saturated = self.clock.now(), gates.saturated() if gates is not None else ()
+            fleet.occupancy.sample(busy_shares(fleet.instances.values()), now, saturated)
+            if not self.config.routing.occupancy_depth:  # read per tick: a reload may change it
+                fleet.fill = None
+            else:
+                if fleet.fill is None:
+                    fleet.fill = Occupancy()
+                fill = busy_shares(fleet.instances.values(), self._busy_depth)
+                fleet.fill.sample(fill, now, saturated)
             fleet.long_free = long_free(fleet.instances.values())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:

@@ -314,11 +314,21 @@ class _FleetCollector(Collector):
         )
         for model, value in sorted(rt.fleet.occupancy.values.items()):
             occupancy.add_metric([model], value)
+        fill = GaugeMetricFamily(
+            "triton_proxy_model_fill",
+            "With routing.occupancy_depth: the model's smoothed mean requests in flight per "
+            "instance over that share of max_batch_size, at most 1 (pack_above reads it for "
+            "the long work of classes without max_per_instance)",
+            labels=["model"],
+        )
+        for model, value in sorted(rt.fleet.fill.values.items() if rt.fleet.fill else ()):
+            fill.add_metric([model], value)
         yield healthy
         yield in_flight
         yield model_in_flight
         yield draining
         yield occupancy
+        yield fill
         yield from _scraped(rt)
         yield _buffered(rt)
         yield from _feedback(rt)

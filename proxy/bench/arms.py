@@ -102,6 +102,7 @@ from typing import Any, Literal, Protocol
 import aiohttp
 import yaml
 
+from proxy.bench.capacity import ACCEL_SIM_MAX_BATCH
 from proxy.bench.compare import ArmSpec
 from proxy.bench.haproxy import Backend, Balance, run_haproxy
 from proxy.bench.procs import stop_process
@@ -195,13 +196,22 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5+busy4"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
+
+CLASS_LANE_DEPTHS = (4, 8, 16)
+"""``lane_depth`` of the ``...+boost5`` arm's ``+depth<N>`` variants (the default is
+``2 x max_batch_size``, 32 for the benchmark's model)."""
+
+CLASS_OCCUPANCY_DEPTHS = (0.25,)
+"""``routing.occupancy_depth`` of the ``...+boost5`` arm's ``+busy<N>`` variants (N: the
+mean requests in flight per instance at which the fleet is fully occupied for the benchmark's
+model, ``max_batch_size`` 16)."""
 
 LANE_CONCURRENCY = 64
 """Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
@@ -835,6 +845,30 @@ def _catalog() -> dict[str, ArmPlan]:
     ]
     at = plans.index(delays) + 3
     plans[at:at] = [lane, *packed, *capped, expired, ring, *on_ring]
+    default = next(p for p in plans if p.name.endswith("+spare_third+boost5"))
+    plans += [
+        _vary(
+            default,
+            f"{default.name}+depth{depth}",
+            f"{default.name} whose long lane holds {depth} long requests per instance before "
+            "it opens another instance to an uncapped class's long requests (expected_finish's "
+            "lane_depth; default 2 x max_batch_size)",
+            lane_depth=depth,
+        )
+        for depth in CLASS_LANE_DEPTHS
+    ]
+    plans += [
+        replace(
+            default,
+            name=f"{default.name}+busy{round(share * ACCEL_SIM_MAX_BATCH)}",
+            description=f"{default.name} whose occupancy is the mean requests in flight per "
+            f"instance over {share:g} x max_batch_size, at most 1 (routing.occupancy_depth), "
+            "so long work is packed while batches form, not whenever most instances have "
+            "something to run",
+            routing={**(default.routing or {}), "occupancy_depth": share},
+        )
+        for share in CLASS_OCCUPANCY_DEPTHS
+    ]
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,

@@ -337,6 +337,10 @@ class Fleet:
         """The smoothed share of each model's instances with work in flight
         (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by
         placement and the metrics)."""
+        self.fill: Occupancy | None = None
+        """With ``routing.occupancy_depth``: each model's smoothed mean in flight per instance
+        over that share of its ``max_batch_size``, at most 1, which decides the packing of long
+        work of a class without ``max_per_instance`` (:meth:`occupancy_for`)."""
         self.long_free: dict[str, frozenset[str]] = {}
         """model -> the instances serving it without its long work in flight, for models with
         long work in flight (``proxy.routing.occupancy.long_free``; sampled with the
@@ -344,6 +348,13 @@ class Fleet:
         self.positions: dict[str, int] = {}
         """Instance name -> its place in policy order (ties between instances go by it)."""
         self._adopted()
+
+    def occupancy_for(self, model: str, capped: bool) -> float:
+        """The occupancy placement reads for a request of ``model``: a class with
+        ``max_per_instance`` (``capped``), or any class without ``routing.occupancy_depth``,
+        reads the busy share; the long work of an uncapped class, the fill."""
+        fill = self.fill
+        return (self.occupancy if capped or fill is None else fill).get(model)
 
     def _adopted(self) -> None:
         """After the instance list changed: positions, draining hooks, readers rebuild."""

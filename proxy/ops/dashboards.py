@@ -470,13 +470,19 @@ def instances() -> Dashboard:
                         width=8,
                     ),
                     Panel(
-                        "Occupancy: share of each model's instances holding its work",
-                        (Target(sel("triton_proxy_model_occupancy", "model"), "{{model}}"),),
+                        "Occupancy (share of each model's instances holding its work) and fill",
+                        (
+                            Target(sel("triton_proxy_model_occupancy", "model"), "{{model}}"),
+                            Target(sel("triton_proxy_model_fill", "model"), "{{model}} fill"),
+                        ),
                         unit="percentunit",
                         width=8,
                         max=1.0,
                         description="Smoothed over 2 s (proxy/routing/occupancy.py); "
-                        "expected_start's pack_above packs long work only above it.",
+                        "expected_start's pack_above packs long work only above it. Fill, "
+                        "with routing.occupancy_depth: mean requests in flight per instance "
+                        "over that share of max_batch_size, what packs an SLO class's long "
+                        "work.",
                     ),
                     Panel(
                         "Feedback weight (1 = no penalty)",

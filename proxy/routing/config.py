@@ -44,12 +44,23 @@ class RoutingConfig:
     wake: WakeParams = field(default_factory=WakeParams)
     """Send the next short request to an instance whose queued requests Triton may have left
     waiting (``proxy.routing.wake``)."""
+    occupancy_depth: float = 0.0
+    """Above 0: the long work of a class without ``max_per_instance`` is packed
+    (``pack_above``) by the model's *fill* instead of its occupancy: the mean of its requests
+    in flight per instance over this share of its ``max_batch_size`` (at least one request),
+    at most 1 (``proxy.routing.occupancy``; with 0.25, full while the instances hold a quarter
+    batch each on average). A class with ``max_per_instance`` (a throughput lane) still reads
+    the occupancy, the share of instances with anything in flight. 0: every class reads the
+    occupancy (the measure before session 37). With classes and no policy named,
+    :data:`CLASS_OCCUPANCY_DEPTH`."""
 
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0:
             raise ValueError("stale_after_s must be > 0")
         if not 0.0 < self.stale_weight <= 1.0:
             raise ValueError("stale_weight must be in (0, 1]")
+        if not 0.0 <= self.occupancy_depth <= 1.0:
+            raise ValueError("occupancy_depth must be within [0, 1]")
         if not self.session_header:
             raise ValueError("session_header must not be empty")
         if not self.session_metadata or self.session_metadata != self.session_metadata.lower():
@@ -86,16 +97,34 @@ with its own defaults (``margin``, ``min_quiet_ms``), as without classes: the be
 tighter 1.5 batch times and 6 ms were measured only with copies on."""
 
 
+CLASS_OCCUPANCY_DEPTH = 0.25
+"""``routing.occupancy_depth`` with :data:`CLASS_POLICY` when the file gives none: an SLO
+class's long requests are packed while the instances hold a quarter batch each on average,
+so while batches form, not whenever most instances have something to run
+(docs/benchmarks.md, issue 10, thirty-seventh round: on six servers at half their capacity,
+batches of 1.4 rows, the share of busy instances hovered at 0.9; each time it passed, every
+long request went to one instance, which ran online's 512-token rows in 15-row batches).
+The throughput class's lane keeps the busy share: by the fill it was placed by the replay
+between offline bursts, onto the short instances (``burst.yaml``: real-time's slowest
+requests in 16 x 512 batches)."""
+
+
 def with_class_defaults(config: RoutingConfig, data: Any) -> RoutingConfig:
     """``config`` for an arm with priority classes, loaded from ``data`` (the raw routing
     section, or None): where ``data`` names no ``policy`` the policy is :data:`CLASS_POLICY`,
-    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`. Keys given in
-    the file always win; a file that names a policy keeps every other default as it is."""
+    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`, and unless it
+    has an ``occupancy_depth``, that is :data:`CLASS_OCCUPANCY_DEPTH`. Keys given in the file
+    always win; a file that names a policy keeps every other default as it is."""
     given = data if isinstance(data, Mapping) else {}
     if "policy" in given:
         return config
     wake = config.wake if "wake" in given else CLASS_WAKE
-    return replace(config, policy=CLASS_POLICY, wake=wake)
+    depth = (
+        config.occupancy_depth
+        if given.keys() & {"occupancy_depth", "occupancy-depth"}
+        else CLASS_OCCUPANCY_DEPTH
+    )
+    return replace(config, policy=CLASS_POLICY, wake=wake, occupancy_depth=depth)
 
 
 def load_routing_config(

@@ -36,7 +36,7 @@ bound of the fleet's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,25 +52,25 @@ SAMPLE_S = 0.1
 under 1 % of a core at 1,000 instances)."""
 
 
-def _holding(
-    pool: list[Instance], counts: Callable[[Instance], Mapping[str, int]]
-) -> dict[str, tuple[int, int]]:
-    """model -> (instances serving it that hold some of it in ``counts``, instances serving
-    it), for every model some serving instance holds."""
-    holding: dict[str, int] = {}
+def busy_shares(
+    instances: Iterable[Instance], depth: Callable[[str], int] | None = None
+) -> dict[str, float]:
+    """model -> how busy the instances serving it (healthy, the model not out there) are,
+    for every model with anything in flight: without ``depth``, the share of them that have
+    some of it in flight; with it, the mean of their requests of it in flight over
+    ``depth(model)`` (at least 1), at most 1."""
+    pool = list(instances)
+    held: dict[str, int] = {}
     for inst in pool:
-        for model, n in counts(inst).items():
+        for model, n in inst.model_in_flight.items():
             if n > 0 and inst.serves(model):
-                holding[model] = holding.get(model, 0) + 1
-    return {m: (n, sum(1 for i in pool if i.serves(m))) for m, n in holding.items()}
-
-
-def busy_shares(instances: Iterable[Instance]) -> dict[str, float]:
-    """model -> the share of the instances serving it (healthy, the model not out there)
-    that have some of it in flight, for every model with anything in flight."""
-    # A busy instance serves the model, so the count of those serving it is at least 1.
-    held = _holding(list(instances), lambda i: i.model_in_flight)
-    return {model: busy / serving for model, (busy, serving) in held.items()}
+                held[model] = held.get(model, 0) + (n if depth is not None else 1)
+    out = {}
+    for model, n in held.items():
+        # A busy instance serves the model, so the count of those serving it is at least 1.
+        serving = sum(1 for i in pool if i.serves(model))
+        out[model] = n / serving if depth is None else min(1.0, n / serving / max(1, depth(model)))
+    return out
 
 
 def long_free(instances: Iterable[Instance]) -> dict[str, frozenset[str]]:

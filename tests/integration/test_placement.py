@@ -321,6 +321,45 @@ async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0, line
 
 
+async def test_with_classes_an_slo_class_packs_by_the_fleets_fill(triton_fleet: Any) -> None:
+    # The class default (no routing section) packs the long work of a class without a
+    # per-instance cap by the fill: the mean requests in flight per instance over a quarter
+    # of max_batch_size (accel_sim: 4 of 16), not by the share of busy instances. One
+    # client sending back to back keeps one request in flight on the one server: the busy
+    # share rises past 0.3 within 1.5 s, the fill stays under a quarter. Eight clients at
+    # once are a batch forming: full.
+    classes = {"scheduling": POLICY["scheduling"]}
+    with running_proxy(triton_fleet.servers[:1], classes) as p:
+        assert p.runtime.config.routing.occupancy_depth == 0.25
+        fleet = p.runtime.fleet
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            send = functools.partial(post, session)
+
+            async def clients(n: int, seconds: float) -> None:
+                end = asyncio.get_running_loop().time() + seconds
+
+                async def client() -> None:
+                    while asyncio.get_running_loop().time() < end:
+                        assert await send(RT_KEY, 2_000) == 200
+
+                await asyncio.gather(*(client() for _ in range(n)))
+
+            await clients(1, 1.5)
+            assert fleet.fill is not None
+            assert 0.0 < fleet.fill.get("accel_sim") < 0.25, fleet.fill.values
+            assert fleet.occupancy.get("accel_sim") > 0.3, fleet.occupancy.values
+            # What placement reads: the fill for an uncapped class, the share for a capped one.
+            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.fill.get("accel_sim")
+            assert fleet.occupancy_for("accel_sim", capped=True) == fleet.occupancy.get("accel_sim")
+            await clients(8, 1.5)
+            assert fleet.fill.get("accel_sim") > 0.35, fleet.fill.values
+            assert p.ports and p.ports.metrics
+            async with session.get(f"http://127.0.0.1:{p.ports.metrics}/metrics") as resp:
+                text = await resp.text()
+        line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_fill{"))
+        assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0.35, line
+
+
 async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:
     # One server, 32 clients at once, max_batch_size 16: each batch runs while the next 16
     # requests wait in Triton's queue, so nothing runs alone and every batch starts when the

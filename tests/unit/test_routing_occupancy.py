@@ -25,6 +25,15 @@ def test_busy_share_counts_the_instances_serving_the_model_that_hold_some_of_it(
     assert busy_shares([_inst("x"), _inst("y")]) == {}
 
 
+def test_busy_share_at_a_depth_is_the_mean_in_flight_over_it() -> None:
+    a, b, c = _inst("a", m=4, n=1), _inst("b", m=6, n=2), _inst("c", m=1)
+    depths = {"m": 4, "n": 0}  # n's depth is at least 1 whatever the function says
+    assert busy_shares([a, b, c], depths.__getitem__) == {"m": 11 / 3 / 4, "n": 1.0}
+    c.healthy = False  # out of rotation: neither busy nor serving
+    assert busy_shares([a, b, c], depths.__getitem__)["m"] == 1.0  # 10 / 2 over 4: at most 1
+    assert busy_shares([_inst("x", m=1)], lambda _m: 4) == {"m": 0.25}
+
+
 def test_long_free_names_the_instances_serving_the_model_without_its_long_work() -> None:
     a, b, c, d = _inst("a", m=3, n=1), _inst("b", m=1), _inst("c"), _inst("d", m=2)
     a.long_in_flight.update(m=2)
