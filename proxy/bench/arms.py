@@ -196,7 +196,7 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5+busy4"
+CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
 gives the benchmark's model (``max_batch_size`` 16)."""
@@ -845,7 +845,7 @@ def _catalog() -> dict[str, ArmPlan]:
     ]
     at = plans.index(delays) + 3
     plans[at:at] = [lane, *packed, *capped, expired, ring, *on_ring]
-    default = next(p for p in plans if p.name.endswith("+spare_third+boost5"))
+    default = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
     plans += [
         _vary(
             default,

@@ -50,9 +50,16 @@ class RoutingConfig:
     in flight per instance over this share of its ``max_batch_size`` (at least one request),
     at most 1 (``proxy.routing.occupancy``; with 0.25, full while the instances hold a quarter
     batch each on average). A class with ``max_per_instance`` (a throughput lane) still reads
-    the occupancy, the share of instances with anything in flight. 0: every class reads the
-    occupancy (the measure before session 37). With classes and no policy named,
-    :data:`CLASS_OCCUPANCY_DEPTH`."""
+    the occupancy, the share of instances with anything in flight. 0 (the default, with
+    classes too): every class reads the occupancy. Measured (docs/benchmarks.md, issue 10,
+    thirty-seventh round, 3 repetitions): 0.25 with the class default on six servers at half
+    their capacity took online's P99 from 1.3-3.8x HAProxy's to 0.48-0.62x (the busy share
+    hovered at 0.9 there, and each time it passed every long request went to one lane
+    instance, which ran online's 512-token rows in 15-row batches); on three servers at their
+    FIFO capacity it cost real-time's tail (``case.yaml`` P99 47.6 against 37.0 ms,
+    ``burst.yaml`` 134 against 85: online's long rows, replayed rather than packed, padded
+    real-time's batches). Opt-in, for fleets large enough that the lane's long work needs
+    more than one instance's worth of full batches."""
 
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0:
@@ -97,34 +104,16 @@ with its own defaults (``margin``, ``min_quiet_ms``), as without classes: the be
 tighter 1.5 batch times and 6 ms were measured only with copies on."""
 
 
-CLASS_OCCUPANCY_DEPTH = 0.25
-"""``routing.occupancy_depth`` with :data:`CLASS_POLICY` when the file gives none: an SLO
-class's long requests are packed while the instances hold a quarter batch each on average,
-so while batches form, not whenever most instances have something to run
-(docs/benchmarks.md, issue 10, thirty-seventh round: on six servers at half their capacity,
-batches of 1.4 rows, the share of busy instances hovered at 0.9; each time it passed, every
-long request went to one instance, which ran online's 512-token rows in 15-row batches).
-The throughput class's lane keeps the busy share: by the fill it was placed by the replay
-between offline bursts, onto the short instances (``burst.yaml``: real-time's slowest
-requests in 16 x 512 batches)."""
-
-
 def with_class_defaults(config: RoutingConfig, data: Any) -> RoutingConfig:
     """``config`` for an arm with priority classes, loaded from ``data`` (the raw routing
     section, or None): where ``data`` names no ``policy`` the policy is :data:`CLASS_POLICY`,
-    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`, and unless it
-    has an ``occupancy_depth``, that is :data:`CLASS_OCCUPANCY_DEPTH`. Keys given in the file
-    always win; a file that names a policy keeps every other default as it is."""
+    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`. Keys given in
+    the file always win; a file that names a policy keeps every other default as it is."""
     given = data if isinstance(data, Mapping) else {}
     if "policy" in given:
         return config
     wake = config.wake if "wake" in given else CLASS_WAKE
-    depth = (
-        config.occupancy_depth
-        if given.keys() & {"occupancy_depth", "occupancy-depth"}
-        else CLASS_OCCUPANCY_DEPTH
-    )
-    return replace(config, policy=CLASS_POLICY, wake=wake, occupancy_depth=depth)
+    return replace(config, policy=CLASS_POLICY, wake=wake)
 
 
 def load_routing_config(

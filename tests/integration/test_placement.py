@@ -321,16 +321,19 @@ async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0, line
 
 
-async def test_with_classes_an_slo_class_packs_by_the_fleets_fill(triton_fleet: Any) -> None:
-    # The class default (no routing section) packs the long work of a class without a
-    # per-instance cap by the fill: the mean requests in flight per instance over a quarter
-    # of max_batch_size (accel_sim: 4 of 16), not by the share of busy instances. One
+async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
+    triton_fleet: Any,
+) -> None:
+    # routing.occupancy_depth 0.25 and no policy named (the class default's placement): the
+    # long work of a class without a per-instance cap is packed by the fill, the mean
+    # requests in flight per instance over a quarter of max_batch_size (accel_sim: 4 of 16),
+    # not by the share of busy instances. One
     # client sending back to back keeps one request in flight on the one server: the busy
     # share rises past 0.3 within 1.5 s, the fill stays under a quarter. Eight clients at
     # once are a batch forming: full.
-    classes = {"scheduling": POLICY["scheduling"]}
+    classes = {"routing": {"occupancy_depth": 0.25}, "scheduling": POLICY["scheduling"]}
     with running_proxy(triton_fleet.servers[:1], classes) as p:
-        assert p.runtime.config.routing.occupancy_depth == 0.25
+        assert p.runtime.config.routing.policy.name == "expected_finish"
         fleet = p.runtime.fleet
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
             send = functools.partial(post, session)

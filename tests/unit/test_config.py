@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from proxy import config
-from proxy.routing.config import CLASS_OCCUPANCY_DEPTH, CLASS_POLICY, CLASS_WAKE, PolicySpec
+from proxy.routing.config import CLASS_POLICY, CLASS_WAKE, PolicySpec
 from proxy.routing.wake import WakeParams
 from proxy.strict import ConfigError
 
@@ -74,7 +74,7 @@ def test_with_classes_and_no_policy_named_the_measured_routing_is_the_default() 
     cfg = config.parse({**MINIMAL, **CLASSES})
     assert cfg.routing.policy == CLASS_POLICY and cfg.routing.policy.name == "expected_finish"
     assert cfg.routing.wake == CLASS_WAKE
-    assert cfg.routing.occupancy_depth == CLASS_OCCUPANCY_DEPTH > 0
+    assert cfg.routing.occupancy_depth == 0.0  # measured, not a default (thirty-seventh round)
     # The default sends only copies Triton rejects unrun: nothing runs twice.
     assert cfg.routing.wake.nudge and cfg.routing.wake.expired_copy
     assert not cfg.routing.wake.real_copy
@@ -92,13 +92,12 @@ def test_a_wake_given_in_the_file_wins_over_the_class_default() -> None:
     cfg = config.parse({**MINIMAL, **CLASSES, "routing": routing})
     assert cfg.routing.policy == CLASS_POLICY
     assert cfg.routing.wake == WakeParams(enabled=False) and cfg.routing.stale_after_s == 2.0
-    assert cfg.routing.occupancy_depth == CLASS_OCCUPANCY_DEPTH
 
 
 @pytest.mark.parametrize("key", ["occupancy_depth", "occupancy-depth"])
-def test_an_occupancy_depth_given_in_the_file_wins_over_the_class_default(key: str) -> None:
-    cfg = config.parse({**MINIMAL, **CLASSES, "routing": {key: 0.0}})
-    assert cfg.routing.policy == CLASS_POLICY and cfg.routing.occupancy_depth == 0.0
+def test_an_occupancy_depth_given_in_the_file_keeps_the_class_default_policy(key: str) -> None:
+    cfg = config.parse({**MINIMAL, **CLASSES, "routing": {key: 0.25}})
+    assert cfg.routing.policy == CLASS_POLICY and cfg.routing.occupancy_depth == 0.25
 
 
 @pytest.mark.parametrize("main_classes", [True, False])
