@@ -273,7 +273,7 @@ class Runtime:
         return (self.canary_router or self.router).packs_long(model)
 
     def _busy_depth(self, model: str) -> int:
-        """Requests of ``model`` in flight per instance that make its occupancy 1:
+        """Requests of ``model`` in flight per instance that make its fill 1:
         ``routing.occupancy_depth`` of its ``max_batch_size``, this worker's share of it with
         ``serve --workers`` (each sees its own requests only), at least 1."""
         share = self.config.routing.occupancy_depth
