@@ -31,6 +31,14 @@ docs/benchmarks.md, twenty-third round). It is sampled by the runtime's periodic
 (``SAMPLE_S``), never on the request path. Each worker of ``serve --workers N`` sees only its
 own requests: the share it measures is that of the instances holding *its* work, a lower
 bound of the fleet's.
+
+With ``routing.occupancy_depth`` (opt-in) the same scan also keeps each model's *fill*
+(``Fleet.fill``, :func:`busy_shares` with a depth): the mean of its requests in flight per
+instance over that share of ``max_batch_size``, at most 1, averaged and saturated alike. An
+SLO class's long work packs by it (``Fleet.occupancy_for``): the busy share says whether
+instances have anything to run, not whether batches form, and on six servers at half their
+capacity it hovered at 0.9 with batches of 1.4 rows (docs/benchmarks.md, issue 10,
+thirty-seventh round).
 """
 
 from __future__ import annotations
