@@ -473,6 +473,14 @@ class Dispatcher:
             cap = cls.max_per_instance if cls is not None else None
         long = cap is not None or self.costs.is_long(call.model, call.cost)
         level = priority or 0
+        batcher = self._batcher(call.model, r.info)
+        load = self.fleet.long_load
+        if load is not None and long and cap is None and batcher is not None:
+            # its share of full batches' device time (proxy.routing.occupancy.LongLoad)
+            load.add(
+                call.model,
+                batcher.base_s * call.rows / batcher.max_batch + batcher.per_unit_s * call.cost,
+            )
         request = RouteRequest.fast(
             {
                 "model": call.model,
@@ -487,7 +495,7 @@ class Dispatcher:
                 "occupancy": self.fleet.occupancy_for(call.model, cap is not None),
                 "free_of_long": self.fleet.long_free.get(call.model),
                 "rows": call.rows,
-                "batcher": self._batcher(call.model, r.info),
+                "batcher": batcher,
                 "now": self.fleet.clock.now(),
             }
         )

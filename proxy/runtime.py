@@ -37,7 +37,7 @@ from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
-from proxy.routing.occupancy import Occupancy, busy_shares, long_free
+from proxy.routing.occupancy import LongLoad, Occupancy, busy_shares, long_free
 from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -337,20 +337,28 @@ class Runtime:
 
     async def _measure_occupancy(self) -> None:
         """Every ``SAMPLE_S``: the fleet's busy share per model, with
-        ``routing.occupancy_depth`` its fill, and its instances free of long work
-        (proxy.routing.occupancy)."""
+        ``routing.occupancy_depth`` its fill (and with ``routing.fill_from_load`` its long
+        load), and its instances free of long work (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
             fleet, gates = self.fleet, self.gates
             now, saturated = self.clock.now(), gates.saturated() if gates is not None else ()
             fleet.occupancy.sample(busy_shares(fleet.instances.values()), now, saturated)
-            if not self.config.routing.occupancy_depth:  # read per tick: a reload may change it
-                fleet.fill = None
+            routing = self.config.routing  # read per tick: a reload may change it
+            if not routing.occupancy_depth:
+                fleet.fill = fleet.long_load = None
             else:
                 if fleet.fill is None:
                     fleet.fill = Occupancy()
                 fill = busy_shares(fleet.instances.values(), self._busy_depth)
                 fleet.fill.sample(fill, now, saturated)
+                fleet.fill_from_load = routing.fill_from_load
+                if not routing.fill_from_load:
+                    fleet.long_load = None
+                else:
+                    if fleet.long_load is None:
+                        fleet.long_load = LongLoad()
+                    fleet.long_load.sample(now, self.workers)
             fleet.long_free = long_free(fleet.instances.values())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:

@@ -323,11 +323,23 @@ class _FleetCollector(Collector):
         )
         for model, value in sorted(rt.fleet.fill.values.items() if rt.fleet.fill else ()):
             fill.add_metric([model], value)
+        long_load = GaugeMetricFamily(
+            "triton_proxy_model_long_load",
+            "With routing.occupancy_depth and routing.fill_from_load: the model's smoothed "
+            "device time per second of the long requests of classes without max_per_instance "
+            "in full batches, in instances' worth (the fill decides their packing from "
+            "fill_from_load on)",
+            labels=["model"],
+        )
+        load = rt.fleet.long_load
+        for model, value in sorted(load.rates.values.items() if load else ()):
+            long_load.add_metric([model], value)
         yield healthy
         yield in_flight
         yield model_in_flight
         yield draining
         yield occupancy
+        yield long_load
         yield fill
         yield from _scraped(rt)
         yield _buffered(rt)

@@ -196,10 +196,15 @@ MEASURED_CLASS_WAKE = WakeParams(
 """The wake that goes with :data:`MEASURED_CLASS_POLICY` (:data:`proxy.routing.config.CLASS_WAKE`
 since session 29, ``a124a8f``), pinned with it."""
 
-CLASS_DEFAULT_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5"
+BOOST_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5"
+"""The class default of session 36 (the floor boost after 5 s): the arm the lane and fill
+variants below vary."""
+
+CLASS_DEFAULT_ARM = f"{BOOST_ARM}+busy4+from5"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
 both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
-gives the benchmark's model (``max_batch_size`` 16)."""
+gives the benchmark's model (``max_batch_size`` 16), its fill
+:data:`proxy.routing.config.CLASS_FILL` (session 38)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
@@ -212,6 +217,11 @@ CLASS_OCCUPANCY_DEPTHS = (0.25,)
 """``routing.occupancy_depth`` of the ``...+boost5`` arm's ``+busy<N>`` variants (N: the
 mean requests in flight per instance at which the fleet is fully occupied for the benchmark's
 model, ``max_batch_size`` 16)."""
+
+CLASS_FILL_LOADS = (0.5,)
+"""``routing.fill_from_load`` of the ``...+boost5+busy4`` arm's ``+from<N>`` variants (N: the
+long load in tenths of an instance): the fill decides only while an uncapped class's long
+work would keep at least that share of an instance busy in full batches."""
 
 LANE_CONCURRENCY = 64
 """Slots per instance in ``proxy_long_lane``: 4 x ``max_batch_size``. The spare instance
@@ -845,7 +855,7 @@ def _catalog() -> dict[str, ArmPlan]:
     ]
     at = plans.index(delays) + 3
     plans[at:at] = [lane, *packed, *capped, expired, ring, *on_ring]
-    default = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
+    default = next(p for p in plans if p.name == BOOST_ARM)
     plans += [
         _vary(
             default,
@@ -868,6 +878,18 @@ def _catalog() -> dict[str, ArmPlan]:
             routing={**(default.routing or {}), "occupancy_depth": share},
         )
         for share in CLASS_OCCUPANCY_DEPTHS
+    ]
+    busy = plans[-1]  # the last +busy arm
+    plans += [
+        replace(
+            busy,
+            name=f"{busy.name}+from{round(load * 10)}",
+            description=f"{busy.name} whose fill decides only while the long work of classes "
+            f"without max_per_instance would keep {load:g} of an instance busy in full batches "
+            "(routing.fill_from_load); below, the busy share",
+            routing={**(busy.routing or {}), "fill_from_load": load},
+        )
+        for load in CLASS_FILL_LOADS
     ]
     at = plans.index(shallow) + 1
     plans[at:at] = [

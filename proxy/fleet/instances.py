@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from proxy.clock import Clock
-from proxy.routing.occupancy import Occupancy
+from proxy.routing.occupancy import LongLoad, Occupancy
 
 
 class ChangeJournal:
@@ -341,6 +341,12 @@ class Fleet:
         """With ``routing.occupancy_depth``: each model's smoothed mean in flight per instance
         over that share of its ``max_batch_size``, at most 1, which decides the packing of long
         work of a class without ``max_per_instance`` (:meth:`occupancy_for`)."""
+        self.long_load: LongLoad | None = None
+        """With ``routing.occupancy_depth`` and ``routing.fill_from_load``: each model's long
+        load (``proxy.routing.occupancy.LongLoad``), added to by dispatch, sampled by the
+        runtime's scan."""
+        self.fill_from_load = 0.0
+        """``routing.fill_from_load``: the long load from which the fill decides."""
         self.long_free: dict[str, frozenset[str]] = {}
         """model -> the instances serving it without its long work in flight, for models with
         long work in flight (``proxy.routing.occupancy.long_free``; sampled with the
@@ -352,9 +358,16 @@ class Fleet:
     def occupancy_for(self, model: str, capped: bool) -> float:
         """The occupancy placement reads for a request of ``model``: a class with
         ``max_per_instance`` (``capped``), or any class without ``routing.occupancy_depth``,
-        reads the busy share; the long work of an uncapped class, the fill."""
+        reads the busy share; the long work of an uncapped class, the fill, and with
+        ``routing.fill_from_load`` only while the model's long load is at least that
+        (``proxy.routing.occupancy``)."""
         fill = self.fill
-        return (self.occupancy if capped or fill is None else fill).get(model)
+        if capped or fill is None:
+            return self.occupancy.get(model)
+        load = self.long_load
+        if load is not None and load.get(model) < self.fill_from_load:
+            return self.occupancy.get(model)
+        return fill.get(model)
 
     def _adopted(self) -> None:
         """After the instance list changed: positions, draining hooks, readers rebuild."""

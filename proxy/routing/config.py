@@ -49,17 +49,27 @@ class RoutingConfig:
     (``pack_above``) by the model's *fill* instead of its occupancy: the mean of its requests
     in flight per instance over this share of its ``max_batch_size`` (at least one request),
     at most 1 (``proxy.routing.occupancy``; with 0.25, full while the instances hold a quarter
-    batch each on average). A class with ``max_per_instance`` (a throughput lane) still reads
-    the occupancy, the share of instances with anything in flight. 0 (the default, with
-    classes too): every class reads the occupancy. Measured (docs/benchmarks.md, issue 10,
-    thirty-seventh round, 3 repetitions): 0.25 with the class default on six servers at half
-    their capacity took online's P99 from 1.3-3.8x HAProxy's to 0.48-0.62x (the busy share
-    hovered at 0.9 there, and each time it passed every long request went to one lane
-    instance, which ran online's 512-token rows in 15-row batches); on three servers at their
-    FIFO capacity it cost real-time's tail (``case.yaml`` P99 47.6 against 37.0 ms,
-    ``burst.yaml`` 134 against 85: online's long rows, replayed rather than packed, padded
-    real-time's batches). Opt-in, for fleets large enough that the lane's long work needs
-    more than one instance's worth of full batches."""
+    batch each on average), from ``fill_from_load`` on. A class with ``max_per_instance`` (a
+    throughput lane) still reads the occupancy, the share of instances with anything in
+    flight. 0 (the default where a file names a routing policy): every class reads the
+    occupancy; with classes and no policy named, :data:`CLASS_FILL`. Measured
+    (docs/benchmarks.md, issue 10, thirty-seventh round, 3 repetitions): 0.25 alone (no
+    ``fill_from_load``) with the class default on six servers at half their capacity took
+    online's P99 from 1.3-3.8x HAProxy's to 0.48-0.62x (the busy share hovered at 0.9 there,
+    and each time it passed every long request went to one lane instance, which ran online's
+    512-token rows in 15-row batches); on three servers at their FIFO capacity it cost
+    real-time's tail (``case.yaml`` P99 47.6 against 37.0 ms, ``burst.yaml`` 134 against 85:
+    online's long rows, replayed rather than packed, padded real-time's batches), which
+    ``fill_from_load`` avoids."""
+    fill_from_load: float = 0.0
+    """With ``occupancy_depth``: the fill decides only while the model's *long load* (the
+    device time per second that the long requests of classes without ``max_per_instance``
+    would take in full batches, on its learned cost curve, in instances' worth;
+    ``proxy.routing.occupancy.LongLoad``) is at least this; below it the occupancy decides,
+    as without ``occupancy_depth``. 0 (the default where a file names a routing policy): the
+    fill always decides. Why a load: the lane holds that long work on one instance until it
+    is ``lane_depth`` deep, right while one instance runs it in its stride and wrong once it
+    needs most of one (``proxy.routing.occupancy``)."""
 
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0:
@@ -68,6 +78,8 @@ class RoutingConfig:
             raise ValueError("stale_weight must be in (0, 1]")
         if not 0.0 <= self.occupancy_depth <= 1.0:
             raise ValueError("occupancy_depth must be within [0, 1]")
+        if not 0.0 <= self.fill_from_load < float("inf"):
+            raise ValueError("fill_from_load must be a finite number >= 0")
         if not self.session_header:
             raise ValueError("session_header must not be empty")
         if not self.session_metadata or self.session_metadata != self.session_metadata.lower():
@@ -104,16 +116,29 @@ with its own defaults (``margin``, ``min_quiet_ms``), as without classes: the be
 tighter 1.5 batch times and 6 ms were measured only with copies on."""
 
 
+CLASS_FILL: Mapping[str, Any] = {"occupancy_depth": 0.25, "fill_from_load": 0.5}
+"""The fill that goes with :data:`CLASS_POLICY` (each key unless the file gives it): an
+uncapped class's long work is packed by the fill (a quarter batch in flight per instance on
+average) once it would keep half an instance busy in full batches, by the busy share below.
+Measured (docs/benchmarks.md, issue 10, thirty-eighth round, 3 repetitions): on six servers
+at ``long_share.yaml`` x2 online's P99 0.58x HAProxy's against 1.76x without it; on three
+servers at ``case.yaml`` and ``burst.yaml`` x1, where the fill alone had cost real-time's
+tail (thirty-seventh round), the long load stays near 0.1 and nothing changes."""
+
+
 def with_class_defaults(config: RoutingConfig, data: Any) -> RoutingConfig:
     """``config`` for an arm with priority classes, loaded from ``data`` (the raw routing
     section, or None): where ``data`` names no ``policy`` the policy is :data:`CLASS_POLICY`,
-    and then, unless ``data`` has a ``wake``, the wake is :data:`CLASS_WAKE`. Keys given in
-    the file always win; a file that names a policy keeps every other default as it is."""
+    the fill's keys not given are :data:`CLASS_FILL`'s, and, unless ``data`` has a ``wake``,
+    the wake is :data:`CLASS_WAKE`. Keys given in the file always win; a file that names a
+    policy keeps every other default as it is."""
     given = data if isinstance(data, Mapping) else {}
     if "policy" in given:
         return config
-    wake = config.wake if "wake" in given else CLASS_WAKE
-    return replace(config, policy=CLASS_POLICY, wake=wake)
+    named = {str(k).replace("-", "_") for k in given}
+    fill = {k: v for k, v in CLASS_FILL.items() if k not in named}
+    wake = config.wake if "wake" in named else CLASS_WAKE
+    return replace(config, policy=CLASS_POLICY, wake=wake, **fill)
 
 
 def load_routing_config(

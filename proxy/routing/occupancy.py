@@ -38,7 +38,16 @@ instance over that share of ``max_batch_size``, at most 1, averaged and saturate
 SLO class's long work packs by it (``Fleet.occupancy_for``): the busy share says whether
 instances have anything to run, not whether batches form, and on six servers at half their
 capacity it hovered at 0.9 with batches of 1.4 rows (docs/benchmarks.md, issue 10,
-thirty-seventh round).
+thirty-seventh round). With ``routing.fill_from_load`` as well, the fill decides only while
+that long work is heavy: its *long load* (:class:`LongLoad`), the device time its requests
+would take in full batches per second, is at least that many instances' worth; below, the
+busy share decides as without the fill. Why: the lane holds an uncapped class's long work on
+one instance until it is ``lane_depth`` deep, which is right while one instance runs it all
+and wrong once it cannot (six servers: online's 512-token rows needed 0.9 of an instance,
+the lane filled to 32 and ran them in 15-row batches), and replaying that long work where it
+finishes soonest, which the fill does there, pads real-time's batches where the lane would
+have kept it away (three servers at their FIFO capacity: online's long rows needed 0.1 of an
+instance; docs/benchmarks.md, issue 10, thirty-eighth round).
 """
 
 from __future__ import annotations
@@ -132,3 +141,39 @@ class Occupancy:
 
     def get(self, model: str) -> float:
         return self.values.get(model, 0.0)
+
+
+class LongLoad:
+    """Each model's *long load*: the device time per second that the long requests of
+    classes without ``max_per_instance`` dispatched to it would take in full batches, in
+    instances' worth (1.0: one instance busy all the time), smoothed as :class:`Occupancy`
+    is (module doc).
+
+    A request's share is ``base_s x rows / max_batch + per_unit_s x cost`` on the model's
+    learned cost curve (:class:`proxy.routing.batcher.BatcherModel`): its rows' part of a
+    full batch's fixed time plus its padded units (``cost``: rows x longest dimension).
+    :meth:`add` is the request path's part (one dict update for such a request);
+    :meth:`sample` divides by the time since the previous sample, times ``scale`` (the
+    worker count: each worker sees its share), and folds it into the average. Models are as
+    bounded as the occupancy's: a model reaches the table only once a request of it was
+    placed, and leaves it once decayed."""
+
+    def __init__(self, tau_s: float = TAU_S) -> None:
+        self.rates = Occupancy(tau_s)
+        self.pending: dict[str, float] = {}
+        self._at: float | None = None
+
+    def add(self, model: str, seconds: float) -> None:
+        pending = self.pending
+        pending[model] = pending.get(model, 0.0) + seconds
+
+    def sample(self, now: float, scale: float = 1.0) -> None:
+        pending, self.pending = self.pending, {}
+        dt = None if self._at is None else now - self._at
+        self._at = now
+        if dt is None or dt <= 0:
+            return  # the first sample only starts the clock (what came before has no span)
+        self.rates.sample({m: s * scale / dt for m, s in pending.items()}, now)
+
+    def get(self, model: str) -> float:
+        return self.rates.get(model)

@@ -54,8 +54,8 @@ POLICY: dict[str, Any] = {
     "health": {"interval_s": 0.5, "backoff_initial_s": 0.5, "backoff_max_s": 2},
     # A canary arm on another routing policy, so the per-arm panels have both arms.
     "canary": {"share": 0.3, "routing": {"policy": {"name": "round_robin"}}},
-    # The class default's placement, with the opt-in fill, so its panel has data too.
-    "routing": {"occupancy_depth": 0.25},
+    # No routing section: the class default's placement and fill (routing.occupancy_depth
+    # 0.25), so the fill's panel has data too.
     # Every loop on, in dry run: decisions are exported and logged, nothing is changed. The
     # real-time SLO is below what this load gives it, so the loops have something to decide.
     "control": {

@@ -324,14 +324,16 @@ async def test_a_lane_packs_only_under_load_and_the_fleet_occupancy_is_exported(
 async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
     triton_fleet: Any,
 ) -> None:
-    # routing.occupancy_depth 0.25 and no policy named (the class default's placement): the
+    # routing.occupancy_depth 0.25, fill_from_load 0 (the fill decides whatever the long load)
+    # and no policy named (the class default's placement): the
     # long work of a class without a per-instance cap is packed by the fill, the mean
     # requests in flight per instance over a quarter of max_batch_size (accel_sim: 4 of 16),
     # not by the share of busy instances. One
     # client sending back to back keeps one request in flight on the one server: the busy
     # share rises past 0.3 within 1.5 s, the fill stays under a quarter. Eight clients at
     # once are a batch forming: full.
-    classes = {"routing": {"occupancy_depth": 0.25}, "scheduling": POLICY["scheduling"]}
+    routing = {"occupancy_depth": 0.25, "fill_from_load": 0}
+    classes = {"routing": routing, "scheduling": POLICY["scheduling"]}
     with running_proxy(triton_fleet.servers[:1], classes) as p:
         assert p.runtime.config.routing.policy.name == "expected_finish"
         fleet = p.runtime.fleet
@@ -361,6 +363,54 @@ async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
                 text = await resp.text()
         line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_fill{"))
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0.35, line
+
+
+async def test_the_fill_decides_an_slo_class_only_once_its_long_work_is_heavy(
+    triton_fleet: Any,
+) -> None:
+    # routing.fill_from_load: the fill decides the packing of an uncapped class's long work
+    # only while that work's long load (device time per second in full batches, on the
+    # learned cost curve) is at least the setting; below it the busy share decides. 64-token
+    # real-time requests teach the cost model what is typical (and the curve); 4,000-token
+    # ones, far above it, are long while short ones keep coming (what is typical follows
+    # what is sent). One at a time (about 0.06 of the server in full batches) they are a
+    # light load; six clients sending them back to back are a heavy one.
+    routing = {"occupancy_depth": 0.25, "fill_from_load": 0.15}
+    with running_proxy(
+        triton_fleet.servers[:1], {"routing": routing, "scheduling": POLICY["scheduling"]}
+    ) as p:
+        fleet = p.runtime.fleet
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            send = functools.partial(post, session)
+
+            async def clients(n: int, tokens: int, seconds: float, pause: float = 0.0) -> None:
+                end = asyncio.get_running_loop().time() + seconds
+
+                async def client() -> None:
+                    while asyncio.get_running_loop().time() < end:
+                        assert await send(RT_KEY, tokens) == 200
+                        await asyncio.sleep(pause)
+
+                await asyncio.gather(*(client() for _ in range(n)))
+
+            await clients(4, 64, 1.0)  # what is typical, and the curve
+            await asyncio.gather(clients(4, 64, 2.0), clients(1, 4_000, 2.0, pause=0.1))
+            assert fleet.long_load is not None and fleet.fill is not None
+            light = fleet.long_load.get("accel_sim")
+            assert 0.0 < light < 0.15, fleet.long_load.rates.values
+            # Light long work: the busy share decides, for every class.
+            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.occupancy.get(
+                "accel_sim"
+            )
+            await asyncio.gather(clients(8, 64, 3.0), clients(6, 4_000, 3.0))
+            assert fleet.long_load.get("accel_sim") >= 0.15, fleet.long_load.rates.values
+            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.fill.get("accel_sim")
+            assert fleet.occupancy_for("accel_sim", capped=True) == fleet.occupancy.get("accel_sim")
+            assert p.ports and p.ports.metrics
+            async with session.get(f"http://127.0.0.1:{p.ports.metrics}/metrics") as resp:
+                text = await resp.text()
+        line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_long_load{"))
+        assert 'model="accel_sim"' in line and float(line.split()[-1]) >= 0.15, line
 
 
 async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:

@@ -74,7 +74,8 @@ def test_with_classes_and_no_policy_named_the_measured_routing_is_the_default() 
     cfg = config.parse({**MINIMAL, **CLASSES})
     assert cfg.routing.policy == CLASS_POLICY and cfg.routing.policy.name == "expected_finish"
     assert cfg.routing.wake == CLASS_WAKE
-    assert cfg.routing.occupancy_depth == 0.0  # measured, not a default (thirty-seventh round)
+    # The fill from half an instance of long work on (CLASS_FILL, thirty-eighth round).
+    assert (cfg.routing.occupancy_depth, cfg.routing.fill_from_load) == (0.25, 0.5)
     # The default sends only copies Triton rejects unrun: nothing runs twice.
     assert cfg.routing.wake.nudge and cfg.routing.wake.expired_copy
     assert not cfg.routing.wake.real_copy
@@ -84,7 +85,7 @@ def test_a_named_policy_keeps_every_other_routing_default() -> None:
     routing = {"policy": {"name": "least_requests"}}
     cfg = config.parse({**MINIMAL, **CLASSES, "routing": routing})
     assert cfg.routing.policy.name == "least_requests" and cfg.routing.wake == WakeParams()
-    assert cfg.routing.occupancy_depth == 0.0
+    assert (cfg.routing.occupancy_depth, cfg.routing.fill_from_load) == (0.0, 0.0)
 
 
 def test_a_wake_given_in_the_file_wins_over_the_class_default() -> None:
@@ -96,8 +97,11 @@ def test_a_wake_given_in_the_file_wins_over_the_class_default() -> None:
 
 @pytest.mark.parametrize("key", ["occupancy_depth", "occupancy-depth"])
 def test_an_occupancy_depth_given_in_the_file_keeps_the_class_default_policy(key: str) -> None:
-    cfg = config.parse({**MINIMAL, **CLASSES, "routing": {key: 0.25}})
-    assert cfg.routing.policy == CLASS_POLICY and cfg.routing.occupancy_depth == 0.25
+    cfg = config.parse({**MINIMAL, **CLASSES, "routing": {key: 0.5}})
+    assert cfg.routing.policy == CLASS_POLICY and cfg.routing.occupancy_depth == 0.5
+    assert cfg.routing.fill_from_load == 0.5  # the key not given keeps the class default
+    cfg = config.parse({**MINIMAL, **CLASSES, "routing": {key: 0, "fill-from-load": 0}})
+    assert (cfg.routing.occupancy_depth, cfg.routing.fill_from_load) == (0.0, 0.0)  # off
 
 
 @pytest.mark.parametrize("main_classes", [True, False])

@@ -173,6 +173,8 @@ def test_retry_budget_is_exposed() -> None:
         ({"stale_after_s": 0}, r"routing: stale_after_s must be > 0"),
         ({"stale_weight": 2}, r"stale_weight must be in"),
         ({"occupancy_depth": 1.5}, r"occupancy_depth must be within \[0, 1\]"),
+        ({"fill_from_load": -0.1}, r"fill_from_load must be a finite number >= 0"),
+        ({"fill_from_load": float("inf")}, r"fill_from_load must be a finite number >= 0"),
         ({"session_metadata": "X-Session"}, r"lower-case"),
         ({"feedback": {"windows": 0}}, r"routing\.feedback: windows must be >= 1"),
         ({"retry": {"ttl_s": -1}}, r"routing\.retry: ttl_s must be > 0"),

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from proxy.fleet.instances import Instance, InstanceSpec, ModelOut
-from proxy.routing.occupancy import Occupancy, busy_shares, long_free
+from proxy.clock import FakeClock
+from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec, ModelOut
+from proxy.routing.occupancy import LongLoad, Occupancy, busy_shares, long_free
 
 
 def _inst(name: str, **in_flight: int) -> Instance:
@@ -79,3 +80,39 @@ def test_a_saturated_model_is_fully_occupied_at_once_and_decays_from_there() -> 
     assert occ.get("m") == pytest.approx(1 / 3 + (1 - 1 / 3) * math.exp(-1))
     occ.sample({}, 2.2, saturated={"n"})  # waiting with nothing in flight yet
     assert occ.get("n") == 1.0
+
+
+def test_long_load_is_the_smoothed_rate_of_the_device_time_added_scaled_by_the_workers() -> None:
+    load = LongLoad(tau_s=1.0)
+    load.add("m", 5.0)
+    load.sample(10.0)  # the first sample only starts the clock: what came before is dropped
+    assert load.get("m") == 0.0 and load.pending == {}
+    load.sample(10.5)  # the average's own first sample: no interval yet either
+    for i in range(1, 11):  # 0.05 s of device time every 0.1 s: half an instance, 1 s long
+        load.add("m", 0.02)
+        load.add("m", 0.03)
+        load.sample(10.5 + i * 0.1)
+    assert load.get("m") == pytest.approx(0.5 * (1 - math.exp(-1)))
+    load.add("m", 0.05)
+    load.sample(11.6, scale=2)  # each of two workers sees half the fleet's requests
+    assert load.get("m") == pytest.approx(
+        0.5 * (1 - math.exp(-1)) + (1.0 - 0.5 * (1 - math.exp(-1))) * (1 - math.exp(-0.1))
+    )
+    load.sample(11.6)  # no time passed: nothing to divide by, nothing changes
+    assert load.get("m") > 0.5 * (1 - math.exp(-1))
+
+
+def test_the_fill_decides_an_uncapped_class_only_from_its_long_load_on() -> None:
+    fleet = Fleet((), HealthConfig(), FakeClock())
+    fleet.occupancy.values["m"] = 0.95
+    assert fleet.occupancy_for("m", capped=False) == 0.95  # no fill: the busy share
+    fleet.fill = Occupancy()
+    fleet.fill.values["m"] = 0.3
+    assert fleet.occupancy_for("m", capped=False) == 0.3  # a fill without a load: always
+    assert fleet.occupancy_for("m", capped=True) == 0.95  # a capped class: the busy share
+    fleet.long_load, fleet.fill_from_load = LongLoad(), 0.5
+    fleet.long_load.rates.values["m"] = 0.49
+    assert fleet.occupancy_for("m", capped=False) == 0.95  # light long work: the busy share
+    fleet.long_load.rates.values["m"] = 0.5
+    assert fleet.occupancy_for("m", capped=False) == 0.3
+    assert fleet.occupancy_for("m", capped=True) == 0.95
