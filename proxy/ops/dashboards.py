@@ -485,6 +485,16 @@ def instances() -> Dashboard:
                         "work.",
                     ),
                     Panel(
+                        "Long load of the SLO classes (instances' worth of full batches)",
+                        (Target(sel("triton_proxy_model_long_load", "model"), "{{model}}"),),
+                        width=8,
+                        description="Device time per second that the long requests of classes "
+                        "without max_per_instance would take in full batches, on the learned "
+                        "cost curve (proxy/routing/occupancy.py LongLoad). From "
+                        "routing.fill_from_load on, the fill packs their long work; below it, "
+                        "the occupancy.",
+                    ),
+                    Panel(
                         "Feedback weight (1 = no penalty)",
                         (
                             Target(

@@ -94,18 +94,19 @@ POLICY: dict[str, Any] = {
         },
     },
 }
-BODY = json.dumps(
-    {
-        "inputs": [
-            {
-                "name": "INPUT_IDS",
-                "shape": [1, 128],
-                "datatype": "INT64",
-                "data": np.arange(1, 129).tolist(),
-            }
-        ]
-    }
-).encode()
+
+
+def body(tokens: int) -> bytes:
+    ids = (np.arange(tokens) % 999 + 1).tolist()  # accel_sim: ids < 1000
+    return json.dumps(
+        {"inputs": [{"name": "INPUT_IDS", "shape": [1, tokens], "datatype": "INT64", "data": ids}]}
+    ).encode()
+
+
+BODY = body(128)
+LONG_BODY = body(2048)
+"""16x what is typical in this mix: long work of online (an SLO class without a cap), so the
+long load panel has data."""
 # Longer runs (for the rendered example in docs/) with TRITON_PROXY_PROOF_TRAFFIC_S.
 TRAFFIC_S = float(os.environ.get("TRITON_PROXY_PROOF_TRAFFIC_S", "8"))
 
@@ -205,10 +206,10 @@ async def traffic(proxy: ProxyThread, seconds: float) -> Counter[tuple[str, int]
     keys = {"realtime": RT_KEY, "online": None, "offline": OFF_KEY}
     counts: Counter[tuple[str, int]] = Counter()
 
-    async def one(session: aiohttp.ClientSession, klass: str) -> None:
+    async def one(session: aiohttp.ClientSession, klass: str, data: bytes = BODY) -> None:
         key = keys[klass]
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with session.post(url, data=BODY, headers=headers) as r:
+        async with session.post(url, data=data, headers=headers) as r:
             await r.read()
             counts[(klass, r.status)] += 1
 
@@ -216,7 +217,7 @@ async def traffic(proxy: ProxyThread, seconds: float) -> Counter[tuple[str, int]
     deadline = time.monotonic() + seconds
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            await asyncio.gather(*(one(session, k) for k in mix))
+            await asyncio.gather(*(one(session, k) for k in mix), one(session, "online", LONG_BODY))
     return counts
 
 
