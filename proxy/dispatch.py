@@ -38,6 +38,7 @@ from proxy.observer import RequestObserver, RequestRecord
 from proxy.request import Call, Forward, InferParams
 from proxy.routing.base import RouteRequest
 from proxy.routing.batcher import BatcherModel
+from proxy.routing.occupancy import NO_FILL, FillRule
 from proxy.routing.wake import EXPIRED_US
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 from proxy.scheduling.cost import BatchTimes, CostModel
@@ -108,6 +109,8 @@ class Arm:
     placement: Placement
     admission: ModelGates | None
     classifier: Classifier | None
+    fill: FillRule = NO_FILL
+    """When its uncapped classes' long work reads the fill (its routing section's keys)."""
 
 
 # Not frozen, though nothing changes it once built: a frozen dataclass's ``__init__`` sets each
@@ -215,6 +218,8 @@ class Dispatcher:
         """``routing.wake.expired_copy``: resend it as an expired copy, long ones too."""
         self.real_copy = True
         """``routing.wake.real_copy``: where no expired copy can be sent, a copy that runs."""
+        self.fill = NO_FILL
+        """The main arm's fill rule (``routing.occupancy_depth``, ``routing.fill_from_load``)."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -248,8 +253,11 @@ class Dispatcher:
             main.placement is not self.placement
             or main.admission is not self.admission
             or main.classifier is not self.classifier
+            or main.fill is not self.fill
         ):
-            main = self._main = Arm(MAIN, self.placement, self.admission, self.classifier)
+            main = self._main = Arm(
+                MAIN, self.placement, self.admission, self.classifier, self.fill
+            )
         return main
 
     def classify(self, call: Call, arm: Arm | None = None) -> str:
@@ -492,7 +500,7 @@ class Dispatcher:
                 "class_cap": cap,
                 "class_queued": backlog,
                 "batch": max(1, batch),
-                "occupancy": self.fleet.occupancy_for(call.model, cap is not None),
+                "occupancy": self.fleet.occupancy_for(call.model, cap is not None, arm.fill),
                 "free_of_long": self.fleet.long_free.get(call.model),
                 "rows": call.rows,
                 "batcher": batcher,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,9 +36,10 @@ from proxy.leadership import build_leadership
 from proxy.observer import RequestObservers
 from proxy.placement import FleetPlacement
 from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.config import RoutingConfig
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
-from proxy.routing.occupancy import LongLoad, Occupancy, busy_shares, long_free
+from proxy.routing.occupancy import FillRule, LongLoad, Occupancy, busy_shares, long_free
 from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
@@ -70,6 +72,11 @@ class _GateTelemetry(GateObserver):
 
     def on_boost(self, class_name: str) -> None:
         self.t.boosted.labels(class_name).inc()
+
+
+def fill_rule(routing: RoutingConfig) -> FillRule:
+    """An arm's fill rule from its routing section."""
+    return FillRule(routing.occupancy_depth, routing.fill_from_load)
 
 
 class Runtime:
@@ -220,6 +227,7 @@ class Runtime:
             cancel_upstream=config.limits.cancel_upstream,
         )
         self.dispatcher.costs.set_overrides(cost_overrides(config))
+        self.dispatcher.fill = fill_rule(config.routing)
         self.canary_router: Router | None = None
         self.canary_gates: ModelGates | None = None
         self.canary_placement = FleetPlacement(
@@ -272,11 +280,11 @@ class Runtime:
     def _canary_packs_long(self, model: str) -> bool:
         return (self.canary_router or self.router).packs_long(model)
 
-    def _busy_depth(self, model: str) -> int:
-        """Requests of ``model`` in flight per instance that make its fill 1:
-        ``routing.occupancy_depth`` of its ``max_batch_size``, this worker's share of it with
-        ``serve --workers`` (each sees its own requests only), at least 1."""
-        share = self.config.routing.occupancy_depth
+    def _busy_depth(self, share: float, model: str) -> int:
+        """Requests of ``model`` in flight per instance that make its fill 1 at
+        ``routing.occupancy_depth`` ``share``: that share of its ``max_batch_size``, this
+        worker's share of it with ``serve --workers`` (each sees its own requests only), at
+        least 1."""
         info = self.catalog.cached(model)
         batch = info.max_batch_size if info is not None else 1
         return max(1, round(share * batch / self.workers))
@@ -336,29 +344,29 @@ class Runtime:
             task.add_done_callback(self._nudging.discard)
 
     async def _measure_occupancy(self) -> None:
-        """Every ``SAMPLE_S``: the fleet's busy share per model, with
-        ``routing.occupancy_depth`` its fill (and with ``routing.fill_from_load`` its long
-        load), and its instances free of long work (proxy.routing.occupancy)."""
+        """Every ``SAMPLE_S``: the fleet's busy share per model, its fill at each arm's
+        ``routing.occupancy_depth`` (its long load where an arm has ``routing.fill_from_load``
+        as well), and its instances free of long work (proxy.routing.occupancy)."""
         while True:
             await asyncio.sleep(OCCUPANCY_SAMPLE_S)
             fleet, gates = self.fleet, self.gates
             now, saturated = self.clock.now(), gates.saturated() if gates is not None else ()
             fleet.occupancy.sample(busy_shares(fleet.instances.values()), now, saturated)
-            routing = self.config.routing  # read per tick: a reload may change it
-            if not routing.occupancy_depth:
-                fleet.fill = fleet.long_load = None
+            d = self.dispatcher  # read per tick: a reload may change the rules
+            rules = {d.fill} if d.canary is None else {d.fill, d.canary.fill}
+            depths = {rule.depth for rule in rules if rule.depth}
+            for depth in fleet.fills.keys() - depths:
+                del fleet.fills[depth]
+            for depth in depths:
+                fill = fleet.fills.setdefault(depth, Occupancy())
+                at = functools.partial(self._busy_depth, depth)
+                fill.sample(busy_shares(fleet.instances.values(), at), now, saturated)
+            if not any(rule.from_load for rule in rules if rule.depth):
+                fleet.long_load = None
             else:
-                if fleet.fill is None:
-                    fleet.fill = Occupancy()
-                fill = busy_shares(fleet.instances.values(), self._busy_depth)
-                fleet.fill.sample(fill, now, saturated)
-                fleet.fill_from_load = routing.fill_from_load
-                if not routing.fill_from_load:
-                    fleet.long_load = None
-                else:
-                    if fleet.long_load is None:
-                        fleet.long_load = LongLoad()
-                    fleet.long_load.sample(now, self.workers)
+                if fleet.long_load is None:
+                    fleet.long_load = LongLoad()
+                fleet.long_load.sample(now, self.workers)
             fleet.long_free = long_free(fleet.instances.values())
 
     def _decided(self, model: str, policy: str, instance: str, seconds: float) -> None:
@@ -416,7 +424,8 @@ class Runtime:
                 self.canary_gates.reconfigure(scheduling)
             admission, classifier = self.canary_gates, Classifier(canary.scheduling)
             self._set_gate_shares(1.0 - canary.share, canary.share)
-        d.canary = Arm(CANARY, self.canary_placement, admission, classifier)
+        fill = fill_rule(canary.routing or config.routing)
+        d.canary = Arm(CANARY, self.canary_placement, admission, classifier, fill)
         d.splitter = Splitter(canary.share, canary.split, self.rng)
 
     def _set_gate_shares(self, main: float, canary: float | None) -> None:
@@ -538,6 +547,7 @@ class Runtime:
             max_retries=config.routing.retry.max_retries,
         )
         self.dispatcher.costs.set_overrides(cost_overrides(config))
+        self.dispatcher.fill = fill_rule(config.routing)
         self.control.reconfigure(config.control, config.scheduling)
         self._set_canary(config)
         self.config = config

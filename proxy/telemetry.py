@@ -316,12 +316,13 @@ class _FleetCollector(Collector):
             occupancy.add_metric([model], value)
         fill = GaugeMetricFamily(
             "triton_proxy_model_fill",
-            "With routing.occupancy_depth: the model's smoothed mean requests in flight per "
-            "instance over that share of max_batch_size, at most 1 (pack_above reads it for "
-            "the long work of classes without max_per_instance)",
+            "With routing.occupancy_depth (the main arm's): the model's smoothed mean requests "
+            "in flight per instance over that share of max_batch_size, at most 1 (pack_above "
+            "reads it for the long work of classes without max_per_instance)",
             labels=["model"],
         )
-        for model, value in sorted(rt.fleet.fill.values.items() if rt.fleet.fill else ()):
+        main_fill = rt.fleet.fills.get(rt.dispatcher.fill.depth)  # the main arm's depth
+        for model, value in sorted(main_fill.values.items() if main_fill else ()):
             fill.add_metric([model], value)
         long_load = GaugeMetricFamily(
             "triton_proxy_model_long_load",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from proxy.clock import Clock
-from proxy.routing.occupancy import LongLoad, Occupancy
+from proxy.routing.occupancy import NO_FILL, FillRule, LongLoad, Occupancy
 
 
 class ChangeJournal:
@@ -337,16 +337,15 @@ class Fleet:
         """The smoothed share of each model's instances with work in flight
         (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by
         placement and the metrics)."""
-        self.fill: Occupancy | None = None
-        """With ``routing.occupancy_depth``: each model's smoothed mean in flight per instance
-        over that share of its ``max_batch_size``, at most 1, which decides the packing of long
-        work of a class without ``max_per_instance`` (:meth:`occupancy_for`)."""
+        self.fills: dict[float, Occupancy] = {}
+        """``routing.occupancy_depth`` (of an arm, above 0) -> each model's smoothed mean in
+        flight per instance over that share of its ``max_batch_size``, at most 1: its *fill*,
+        which decides the packing of long work of a class without ``max_per_instance``
+        (:meth:`occupancy_for`). Sampled by the runtime's scan for the depths its arms use."""
         self.long_load: LongLoad | None = None
-        """With ``routing.occupancy_depth`` and ``routing.fill_from_load``: each model's long
-        load (``proxy.routing.occupancy.LongLoad``), added to by dispatch, sampled by the
+        """With an arm's ``routing.fill_from_load``: each model's long load
+        (``proxy.routing.occupancy.LongLoad``), added to by dispatch, sampled by the
         runtime's scan."""
-        self.fill_from_load = 0.0
-        """``routing.fill_from_load``: the long load from which the fill decides."""
         self.long_free: dict[str, frozenset[str]] = {}
         """model -> the instances serving it without its long work in flight, for models with
         long work in flight (``proxy.routing.occupancy.long_free``; sampled with the
@@ -355,18 +354,22 @@ class Fleet:
         """Instance name -> its place in policy order (ties between instances go by it)."""
         self._adopted()
 
-    def occupancy_for(self, model: str, capped: bool) -> float:
-        """The occupancy placement reads for a request of ``model``: a class with
-        ``max_per_instance`` (``capped``), or any class without ``routing.occupancy_depth``,
-        reads the busy share; the long work of an uncapped class, the fill, and with
-        ``routing.fill_from_load`` only while the model's long load is at least that
-        (``proxy.routing.occupancy``)."""
-        fill = self.fill
-        if capped or fill is None:
+    def occupancy_for(self, model: str, capped: bool, rule: FillRule = NO_FILL) -> float:
+        """The occupancy placement reads for a request of ``model`` in an arm with fill
+        ``rule``: a class with ``max_per_instance`` (``capped``), or any class of an arm
+        without ``routing.occupancy_depth``, reads the busy share; the long work of an
+        uncapped class, the fill at the arm's depth, and with ``routing.fill_from_load`` only
+        while the model's long load is at least that (``proxy.routing.occupancy``). Until
+        the runtime has sampled what the rule needs, the busy share."""
+        if capped or not rule.depth:
             return self.occupancy.get(model)
-        load = self.long_load
-        if load is not None and load.get(model) < self.fill_from_load:
+        fill = self.fills.get(rule.depth)
+        if fill is None:
             return self.occupancy.get(model)
+        if rule.from_load:
+            load = self.long_load
+            if load is None or load.get(model) < rule.from_load:
+                return self.occupancy.get(model)
         return fill.get(model)
 
     def _adopted(self) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ within seconds."""
 SAMPLE_S = 0.1
 """How often the runtime samples the fleet (a scan over every instance: 100 ms keeps it
 under 1 % of a core at 1,000 instances)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FillRule:
+    """When one arm's uncapped classes read the fill (``Fleet.occupancy_for``): its
+    ``routing.occupancy_depth`` (``depth``; 0: never) and ``routing.fill_from_load``
+    (``from_load``; 0: whatever the long load). Each arm of a canary rollout has its own, so a
+    canary can trial another rule; the fleet keeps one fill table per depth in use."""
+
+    depth: float = 0.0
+    from_load: float = 0.0
+
+
+NO_FILL = FillRule()
 
 
 def busy_shares(

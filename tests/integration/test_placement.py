@@ -350,14 +350,15 @@ async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
                 await asyncio.gather(*(client() for _ in range(n)))
 
             await clients(1, 1.5)
-            assert fleet.fill is not None
-            assert 0.0 < fleet.fill.get("accel_sim") < 0.25, fleet.fill.values
+            fill = fleet.fills[0.25]
+            assert 0.0 < fill.get("accel_sim") < 0.25, fill.values
             assert fleet.occupancy.get("accel_sim") > 0.3, fleet.occupancy.values
             # What placement reads: the fill for an uncapped class, the share for a capped one.
-            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.fill.get("accel_sim")
-            assert fleet.occupancy_for("accel_sim", capped=True) == fleet.occupancy.get("accel_sim")
+            rule = p.runtime.dispatcher.fill
+            assert fleet.occupancy_for("accel_sim", False, rule) == fill.get("accel_sim")
+            assert fleet.occupancy_for("accel_sim", True, rule) == fleet.occupancy.get("accel_sim")
             await clients(8, 1.5)
-            assert fleet.fill.get("accel_sim") > 0.35, fleet.fill.values
+            assert fill.get("accel_sim") > 0.35, fill.values
             assert p.ports and p.ports.metrics
             async with session.get(f"http://127.0.0.1:{p.ports.metrics}/metrics") as resp:
                 text = await resp.text()
@@ -395,22 +396,44 @@ async def test_the_fill_decides_an_slo_class_only_once_its_long_work_is_heavy(
 
             await clients(4, 64, 1.0)  # what is typical, and the curve
             await asyncio.gather(clients(4, 64, 2.0), clients(1, 4_000, 2.0, pause=0.1))
-            assert fleet.long_load is not None and fleet.fill is not None
+            assert fleet.long_load is not None
+            fill, rule = fleet.fills[0.25], p.runtime.dispatcher.fill
             light = fleet.long_load.get("accel_sim")
             assert 0.0 < light < 0.15, fleet.long_load.rates.values
             # Light long work: the busy share decides, for every class.
-            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.occupancy.get(
-                "accel_sim"
-            )
+            assert fleet.occupancy_for("accel_sim", False, rule) == fleet.occupancy.get("accel_sim")
             await asyncio.gather(clients(8, 64, 3.0), clients(6, 4_000, 3.0))
             assert fleet.long_load.get("accel_sim") >= 0.15, fleet.long_load.rates.values
-            assert fleet.occupancy_for("accel_sim", capped=False) == fleet.fill.get("accel_sim")
-            assert fleet.occupancy_for("accel_sim", capped=True) == fleet.occupancy.get("accel_sim")
+            assert fleet.occupancy_for("accel_sim", False, rule) == fill.get("accel_sim")
+            assert fleet.occupancy_for("accel_sim", True, rule) == fleet.occupancy.get("accel_sim")
             assert p.ports and p.ports.metrics
             async with session.get(f"http://127.0.0.1:{p.ports.metrics}/metrics") as resp:
                 text = await resp.text()
         line = next(x for x in text.splitlines() if x.startswith("triton_proxy_model_long_load{"))
         assert 'model="accel_sim"' in line and float(line.split()[-1]) >= 0.15, line
+
+
+async def test_a_canary_arm_reads_the_fill_by_its_own_routing_section(triton_fleet: Any) -> None:
+    # The main arm names a policy (no fill); the canary's routing section names none, so with
+    # classes it gets the class default's fill (routing.occupancy_depth 0.25 from a long load
+    # of 0.5). The fleet samples the fill at the canary's depth, and only its arm reads it.
+    doc = {
+        "routing": {"policy": {"name": "least_requests"}},
+        "scheduling": POLICY["scheduling"],
+        "canary": {"share": 1.0, "routing": {"stale_after_s": 5.0}},
+    }
+    with running_proxy(triton_fleet.servers[:1], doc) as p:
+        d, fleet = p.runtime.dispatcher, p.runtime.fleet
+        assert (d.fill.depth, d.fill.from_load) == (0.0, 0.0)
+        assert d.canary is not None
+        assert (d.canary.fill.depth, d.canary.fill.from_load) == (0.25, 0.5)
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            for _ in range(20):
+                assert await post(session, RT_KEY, 64) == 200
+        await until(
+            lambda: set(fleet.fills) == {0.25} and fleet.long_load is not None,
+            failure=f"fills {fleet.fills}, long load {fleet.long_load}",
+        )
 
 
 async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.clock import FakeClock
 from proxy.fleet.instances import Fleet, HealthConfig, Instance, InstanceSpec, ModelOut
-from proxy.routing.occupancy import LongLoad, Occupancy, busy_shares, long_free
+from proxy.routing.occupancy import FillRule, LongLoad, Occupancy, busy_shares, long_free
 
 
 def _inst(name: str, **in_flight: int) -> Instance:
@@ -105,14 +105,20 @@ def test_long_load_is_the_smoothed_rate_of_the_device_time_added_scaled_by_the_w
 def test_the_fill_decides_an_uncapped_class_only_from_its_long_load_on() -> None:
     fleet = Fleet((), HealthConfig(), FakeClock())
     fleet.occupancy.values["m"] = 0.95
-    assert fleet.occupancy_for("m", capped=False) == 0.95  # no fill: the busy share
-    fleet.fill = Occupancy()
-    fleet.fill.values["m"] = 0.3
-    assert fleet.occupancy_for("m", capped=False) == 0.3  # a fill without a load: always
-    assert fleet.occupancy_for("m", capped=True) == 0.95  # a capped class: the busy share
-    fleet.long_load, fleet.fill_from_load = LongLoad(), 0.5
+    always, from_half = FillRule(depth=0.25), FillRule(depth=0.25, from_load=0.5)
+    assert fleet.occupancy_for("m", capped=False) == 0.95  # no rule: the busy share
+    assert fleet.occupancy_for("m", capped=False, rule=always) == 0.95  # not sampled yet
+    fleet.fills[0.25] = Occupancy()
+    fleet.fills[0.25].values["m"] = 0.3
+    assert fleet.occupancy_for("m", capped=False, rule=always) == 0.3  # no load: always
+    assert fleet.occupancy_for("m", capped=True, rule=always) == 0.95  # capped: busy share
+    assert fleet.occupancy_for("m", capped=False) == 0.95  # an arm without a fill
+    assert fleet.occupancy_for("m", capped=False, rule=FillRule(depth=0.5)) == 0.95  # no table
+    assert fleet.occupancy_for("m", capped=False, rule=from_half) == 0.95  # load not measured
+    fleet.long_load = LongLoad()
     fleet.long_load.rates.values["m"] = 0.49
-    assert fleet.occupancy_for("m", capped=False) == 0.95  # light long work: the busy share
+    assert fleet.occupancy_for("m", capped=False, rule=from_half) == 0.95  # light long work
+    assert fleet.occupancy_for("m", capped=False, rule=always) == 0.3
     fleet.long_load.rates.values["m"] = 0.5
-    assert fleet.occupancy_for("m", capped=False) == 0.3
-    assert fleet.occupancy_for("m", capped=True) == 0.95
+    assert fleet.occupancy_for("m", capped=False, rule=from_half) == 0.3
+    assert fleet.occupancy_for("m", capped=True, rule=from_half) == 0.95
