@@ -218,6 +218,13 @@ CLASS_OCCUPANCY_DEPTHS = (0.25,)
 mean requests in flight per instance at which the fleet is fully occupied for the benchmark's
 model, ``max_batch_size`` 16)."""
 
+RESERVE_ARM = "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve"
+"""The arm ``policies/mixed-traffic.yaml`` was from the thirty-third round to session 37."""
+
+SHIPPED_ARM = f"{RESERVE_ARM}+busy4+from5"
+"""The arm ``policies/mixed-traffic.yaml`` is since session 38: :data:`RESERVE_ARM` with the
+class default's fill (a unit test compares the two)."""
+
 CLASS_FILL_LOADS = (0.5,)
 """``routing.fill_from_load`` of the ``...+boost5+busy4`` arm's ``+from<N>`` variants (N: the
 long load in tenths of an instance): the fill decides only while an uncapped class's long
@@ -891,6 +898,24 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for load in CLASS_FILL_LOADS
     ]
+    # The shipped file's arm: the reserve arm with the class default's fill (session 38).
+    shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
+    plans.append(
+        replace(
+            shipped_reserve,
+            name=SHIPPED_ARM,
+            description=f"{RESERVE_ARM} with the class default's fill "
+            "(policies/mixed-traffic.yaml since session 38): an SLO class's long work is "
+            "packed by the mean requests in flight per instance over 0.25 x max_batch_size "
+            "once it would keep half an instance busy in full batches "
+            "(routing.occupancy_depth, routing.fill_from_load)",
+            routing={
+                **(shipped_reserve.routing or {}),
+                "occupancy_depth": 0.25,
+                "fill_from_load": 0.5,
+            },
+        )
+    )
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
@@ -928,8 +953,9 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # class's backlog packed at any load and Triton's stall ended by expired copies
     # (twenty-fourth round), sent after a fixed silence (twenty-sixth round), with adaptive
     # concurrency and deadline admission (twenty-ninth round), and the reserve of one
-    # instance free of long work (thirty-third round; it is policies/mixed-traffic.yaml). The
-    # earlier rounds' arms stay in the catalog by name.
+    # instance free of long work (thirty-third round), and the fill for online's long work
+    # where it needs half an instance (thirty-eighth round; it is policies/mixed-traffic.yaml).
+    # The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
         "rr_priority",
@@ -937,7 +963,7 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve",
+        SHIPPED_ARM,
     ),
     "baselines": tuple(n for n, p in CATALOG.items() if p.kind != "proxy"),
     "proxy": tuple(n for n, p in CATALOG.items() if p.kind == "proxy"),

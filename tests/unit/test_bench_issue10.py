@@ -452,7 +452,7 @@ def test_issue10_preset():
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [

@@ -30,15 +30,14 @@ def test_policies_exist() -> None:
 
 def test_the_mixed_traffic_policy_is_the_measured_arm() -> None:
     # policies/mixed-traffic.yaml says it is issue 10's
-    # `proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve`:
+    # `proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5`:
     # the same routing and scheduling (API keys aside) as that arm on case.yaml's classes.
-    from proxy.bench.arms import proxy_policy, resolve_arms
+    from proxy.bench.arms import SHIPPED_ARM, proxy_policy, resolve_arms
     from proxy.bench.scenario import load_scenario
 
     root = Path(__file__).resolve().parents[2]
     shipped = config.read_document(root / "policies" / "mixed-traffic.yaml")
-    name = "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve"
-    arm = resolve_arms(name)[0]
+    arm = resolve_arms(SHIPPED_ARM)[0]
     measured = proxy_policy([_Server()], arm, load_scenario(root / "benchmarks/issue10/case.yaml"))
     assert shipped["routing"] == measured["routing"]
     ours = {k: v for k, v in shipped["scheduling"].items() if k != "api_keys"}
