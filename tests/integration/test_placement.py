@@ -366,6 +366,42 @@ async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
         assert 'model="accel_sim"' in line and float(line.split()[-1]) > 0.35, line
 
 
+async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:
+    # One server, 32 clients at once, max_batch_size 16: each batch runs while the next 16
+    # requests wait in Triton's queue, so nothing runs alone and every batch starts when the
+    # one before it answers. The proxy times those batches from its answers
+    # (proxy.scheduling.cost.BatchTimes): each time must match accel_sim's curve (3 ms +
+    # 2 us per padded token, the model's 2 ms queue delay added), and so must the fit.
+    samples: list[tuple[float, float]] = []
+    with running_proxy(triton_fleet.servers[:1], POLICY) as p:
+        timer = p.runtime.dispatcher._batch_times
+        answered = timer.answered
+
+        def spy(*args: Any) -> tuple[float, float] | None:
+            sample = answered(*args)
+            if sample is not None:
+                samples.append(sample)
+            return sample
+
+        timer.answered = spy  # type: ignore[method-assign]
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            for tokens in (500, 3000):
+
+                async def client(tokens: int = tokens) -> list[int]:
+                    # 6 each: 12 batches per length, so the fit has the 10 samples it
+                    # needs before it gives a curve (3 left CI short of them once).
+                    return [await post(session, RT_KEY, tokens) for _ in range(6)]
+
+                statuses = await asyncio.gather(*(client() for _ in range(32)))
+                assert {s for client_statuses in statuses for s in client_statuses} == {200}
+        curve = p.runtime.dispatcher.costs.curve("accel_sim")
+    assert len(samples) >= 4, samples
+    ratios = sorted(seconds / (0.003 + 2e-6 * units + 0.002) for units, seconds in samples)
+    assert 0.8 <= ratios[len(ratios) // 2] <= 1.4, samples
+    assert {units for units, _ in samples} >= {16 * 500.0, 16 * 3000.0}, samples
+    assert curve is not None and 1.5e-6 <= curve[1] <= 2.6e-6, (curve, samples)
+
+
 async def test_the_fill_decides_an_slo_class_only_once_its_long_work_is_heavy(
     triton_fleet: Any,
 ) -> None:
@@ -434,39 +470,3 @@ async def test_a_canary_arm_reads_the_fill_by_its_own_routing_section(triton_fle
             lambda: set(fleet.fills) == {0.25} and fleet.long_load is not None,
             failure=f"fills {fleet.fills}, long load {fleet.long_load}",
         )
-
-
-async def test_the_cost_curve_is_learned_from_back_to_back_batches(triton_fleet: Any) -> None:
-    # One server, 32 clients at once, max_batch_size 16: each batch runs while the next 16
-    # requests wait in Triton's queue, so nothing runs alone and every batch starts when the
-    # one before it answers. The proxy times those batches from its answers
-    # (proxy.scheduling.cost.BatchTimes): each time must match accel_sim's curve (3 ms +
-    # 2 us per padded token, the model's 2 ms queue delay added), and so must the fit.
-    samples: list[tuple[float, float]] = []
-    with running_proxy(triton_fleet.servers[:1], POLICY) as p:
-        timer = p.runtime.dispatcher._batch_times
-        answered = timer.answered
-
-        def spy(*args: Any) -> tuple[float, float] | None:
-            sample = answered(*args)
-            if sample is not None:
-                samples.append(sample)
-            return sample
-
-        timer.answered = spy  # type: ignore[method-assign]
-        async with aiohttp.ClientSession(f"http://{p.http}") as session:
-            for tokens in (500, 3000):
-
-                async def client(tokens: int = tokens) -> list[int]:
-                    # 6 each: 12 batches per length, so the fit has the 10 samples it
-                    # needs before it gives a curve (3 left CI short of them once).
-                    return [await post(session, RT_KEY, tokens) for _ in range(6)]
-
-                statuses = await asyncio.gather(*(client() for _ in range(32)))
-                assert {s for client_statuses in statuses for s in client_statuses} == {200}
-        curve = p.runtime.dispatcher.costs.curve("accel_sim")
-    assert len(samples) >= 4, samples
-    ratios = sorted(seconds / (0.003 + 2e-6 * units + 0.002) for units, seconds in samples)
-    assert 0.8 <= ratios[len(ratios) // 2] <= 1.4, samples
-    assert {units for units, _ in samples} >= {16 * 500.0, 16 * 3000.0}, samples
-    assert curve is not None and 1.5e-6 <= curve[1] <= 2.6e-6, (curve, samples)
