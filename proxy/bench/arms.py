@@ -909,6 +909,7 @@ def _catalog() -> dict[str, ArmPlan]:
             "packed by the mean requests in flight per instance over 0.25 x max_batch_size "
             "once it would keep half an instance busy in full batches "
             "(routing.occupancy_depth, routing.fill_from_load)",
+            # pinned as measured, not read from CLASS_FILL (a later default must not change it)
             routing={
                 **(shipped_reserve.routing or {}),
                 "occupancy_depth": 0.25,

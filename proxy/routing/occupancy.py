@@ -32,8 +32,9 @@ docs/benchmarks.md, twenty-third round). It is sampled by the runtime's periodic
 own requests: the share it measures is that of the instances holding *its* work, a lower
 bound of the fleet's.
 
-With ``routing.occupancy_depth`` (opt-in) the same scan also keeps each model's *fill*
-(``Fleet.fill``, :func:`busy_shares` with a depth): the mean of its requests in flight per
+With ``routing.occupancy_depth`` (0.25 in the class default, 0 where a file names a policy)
+the same scan also keeps each model's *fill* at that depth (``Fleet.fills``, one table per
+depth an arm uses; :func:`busy_shares` with a depth): the mean of its requests in flight per
 instance over that share of ``max_batch_size``, at most 1, averaged and saturated alike. An
 SLO class's long work packs by it (``Fleet.occupancy_for``): the busy share says whether
 instances have anything to run, not whether batches form, and on six servers at half their
