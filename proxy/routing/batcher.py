@@ -31,8 +31,10 @@ against 60 ms at 1.5x).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 
@@ -105,6 +107,19 @@ class BatcherModel:
         out = self._replay(arrivals, since, now, None)
         return out, out[id(last)]
 
+    def with_and_without(
+        self,
+        flights: Iterable[tuple[float, InFlight]],
+        since: float,
+        now: float,
+        new: InFlight,
+    ) -> tuple[dict[int, float], dict[int, float], float]:
+        """``ends`` without ``new`` and with it, and ``new``'s end: the flights sorted once."""
+        arrivals, last = _arrivals(flights, now, new)
+        after = self._replay(arrivals, since, now, None)
+        before = self._replay(arrivals[:-1], since, now, None)
+        return before, after, after[id(last)]
+
     def _replay(
         self,
         arrivals: list[tuple[float, InFlight]],
@@ -112,59 +127,114 @@ class BatcherModel:
         now: float,
         until: tuple[float, InFlight] | None,
     ) -> dict[int, float]:
-        """Ends by ``id`` of each arrival, up to the batch holding ``until`` (all: None)."""
+        """Ends by ``id`` of each arrival (in order of sending), up to the batch holding
+        ``until`` (all: None).
+
+        Written for speed: ``expected_finish`` replays up to 8 instances per decision, twice
+        each with ``count_delays``. The queue is one list of arrival indices per priority
+        rank, in order of sending, each with a pointer to its first request not yet batched:
+        a batch takes from the most important rank's pointer on, which is the order of a
+        stable sort of the queue by ``(rank, sent)``, and no request is moved or compared.
+        Its rows are counted as they come and go; its oldest request is the first arrival not
+        yet batched. ``tests/unit/test_routing_batcher.py`` holds the replay as first written
+        and checks both agree, to the bit, on random queues."""
         out: dict[int, float] = {}
         count = len(arrivals)
         if not count:
             return out
-        max_batch, delay = self.max_batch, self.delay_s
-        t = since if since > float("-inf") else arrivals[0][0]
-        pending: list[tuple[float, InFlight]] = []
+        max_batch, delay, default = self.max_batch, self.delay_s, self.default_level
+        sents = [sent for sent, _ in arrivals]
+        rows_of = [w.rows for _, w in arrivals]
+        # The length a batch is padded to by each request (``cost / max(1, rows)``).
+        units = [w.cost / r if (r := w.rows) > 1 else w.cost for _, w in arrivals]
+        queues: dict[int, list[int]] = {}
+        for k, (_, w) in enumerate(arrivals):
+            level = w.level
+            rank = level if level > 0 else default
+            queue = queues.get(rank)
+            if queue is None:
+                queues[rank] = [k]
+            else:
+                queue.append(k)
+        ranked = [queues[rank] for rank in sorted(queues)]
+        heads = [0] * len(ranked)
+        batched = bytearray(count)
+        last = -1
+        if until is not None:
+            last = count - 1 if arrivals[-1] is until else arrivals.index(until)
+        t = since if since > float("-inf") else sents[0]
+        queued = queued_rows = 0
+        oldest = 0  # the first arrival not yet batched
         i = 0
-        while i < count or pending:
-            while i < count and arrivals[i][0] <= t:
-                pending.append(arrivals[i])
-                i += 1
-            if not pending:  # idle until the next request arrives
-                t = arrivals[i][0]
+        while i < count or queued:
+            if i < count and sents[i] <= t:
+                j = bisect_right(sents, t, i)
+                queued += j - i
+                queued_rows += sum(rows_of[i:j])
+                i = j
+            if not queued:  # idle until the next request arrives
+                t = sents[i]
                 continue
-            oldest = min(sent for sent, _ in pending)
-            if sum(w.rows for _, w in pending) < max_batch and t < oldest + delay:
-                # Waiting for the delay to run out or for the next arrival, whichever first.
-                t = min(oldest + delay, arrivals[i][0]) if i < count else oldest + delay
+            while batched[oldest]:
+                oldest += 1
+            expires = sents[oldest] + delay
+            if queued_rows < max_batch and t < expires:
+                # Waiting: the batch forms when an arrival fills it or the delay runs out,
+                # whichever first (the first form stepped arrival by arrival to find it).
+                t = expires
+                rows_then = queued_rows
+                for j in range(i, bisect_right(sents, expires, i)):
+                    rows_then += rows_of[j]
+                    if rows_then >= max_batch:
+                        t = sents[j]
+                        break
                 continue
-            pending.sort(key=lambda p: (self.rank(p[1].level), p[0]))
             rows = longest = 0.0
-            taken = 0
-            for _, w in pending:
-                if taken and rows + w.rows > max_batch:
-                    break
-                rows += w.rows
-                longest = max(longest, w.cost / max(1, w.rows))
-                taken += 1
+            batch: list[int] = []
+            for r_i, queue in enumerate(ranked):
+                j = heads[r_i]
+                size = len(queue)
+                while j < size:
+                    k = queue[j]
+                    if k >= i:
+                        break  # not arrived yet
+                    r = rows_of[k]
+                    if batch and rows + r > max_batch:
+                        break
+                    rows += r
+                    unit = units[k]
+                    if unit > longest:
+                        longest = unit
+                    batch.append(k)
+                    j += 1
+                heads[r_i] = j
+                if j < size and queue[j] < i:
+                    break  # full: the next request in line does not fit
             end = t + self.base_s + self.per_unit_s * rows * longest
             if t <= now and end < now + self.overrun_s:
                 end = now + self.overrun_s  # its answers are not in: still running
-            done = False
-            for arrival in pending[:taken]:
-                out[id(arrival)] = end
-                done = done or arrival is until
-            if done:
+            for k in batch:
+                out[id(arrivals[k])] = end
+                batched[k] = 1
+            if last >= 0 and batched[last]:
                 return out
-            del pending[:taken]
+            queued -= len(batch)
+            queued_rows -= int(rows)
             t = end
         return out
 
 
-def _sent(flight: tuple[float, InFlight]) -> float:
-    return flight[0]
+_sent = itemgetter(0)
+"""A flight's sending time (the sort key of a replay's arrivals)."""
 
 
 def _arrivals(
     flights: Iterable[tuple[float, InFlight]], now: float, new: InFlight
 ) -> tuple[list[tuple[float, InFlight]], tuple[float, InFlight]]:
-    """The flights in order of sending, then ``new`` sent at ``now`` (and that last entry)."""
+    """The flights in order of sending, then ``new`` sent at ``now`` (and that last entry).
+    ``new`` is sent after every flight: when one of them read the clock after this decision
+    did (``now`` is read before the decision), ``new`` is sent when that one was."""
     arrivals = sorted(flights, key=_sent)
-    last = (now, new)
+    last = (max(now, arrivals[-1][0]) if arrivals else now, new)
     arrivals.append(last)
     return arrivals, last

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.routing.base import Candidate, RouteRequest
-from proxy.routing.batcher import Job
+from proxy.routing.batcher import BatcherModel, Job
 from proxy.routing.expected_start import ExpectedStart, ExpectedStartParams
 from proxy.routing.select import load_params, pick_min, weight_of
 from proxy.routing.view import LevelSequence, ModelView
@@ -200,20 +200,32 @@ class ExpectedFinish:
 
             return pick_min(shortlist, key, self._rng)
 
-        base = self.params.level_weight
-
-        def weight(level: int) -> float:
-            return float(base ** -(batcher.rank(level) - 1))
+        weights = _LevelWeights(batcher, self.params.level_weight)
 
         def delays(c: Candidate) -> tuple[float]:
-            flights = list(c.flights.values()) if c.flights else []
-            before, _ = batcher.ends(flights, c.answered_at, now)
-            after, finish = batcher.ends(flights, c.answered_at, now, job)
-            assert finish is not None
-            added = sum(weight(f[1].level) * (after[id(f)] - before[id(f)]) for f in flights)
-            return ((weight(job.level) * (finish - now) + added) / weight_of(c),)
+            flights = c.flights.values() if c.flights else ()
+            before, after, finish = batcher.with_and_without(flights, c.answered_at, now, job)
+            added = 0.0
+            for f in flights:
+                ident = id(f)
+                added += weights[f[1].level] * (after[ident] - before[ident])
+            return ((weights[job.level] * (finish - now) + added) / weight_of(c),)
 
         return pick_min(shortlist, delays, self._rng)
+
+
+class _LevelWeights(dict[int, float]):
+    """``count_delays``' weight of a request by its level, ``level_weight ** -(rank - 1)``,
+    computed once per level and decision (read once per request in flight replayed)."""
+
+    def __init__(self, batcher: BatcherModel, base: float) -> None:
+        super().__init__()
+        self._batcher = batcher
+        self._base = base
+
+    def __missing__(self, level: int) -> float:
+        weight = self[level] = float(self._base ** -(self._batcher.rank(level) - 1))
+        return weight
 
 
 def factory(params: Mapping[str, Any], rng: random.Random) -> ExpectedFinish:

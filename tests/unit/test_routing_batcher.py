@@ -260,3 +260,99 @@ def test_pack_capped_backlogged_packs_the_capped_class_only_while_it_has_a_queue
     assert policy.choose([a, b, c], online_long).name != "a"
     # At pack_above every long request is packed, queue or not.
     assert policy.choose([a, b, c], replace(capped, occupancy=0.95)).name == "a"
+
+
+def reference_replay(
+    b: BatcherModel,
+    arrivals: list[tuple[float, Work]],
+    since: float,
+    now: float,
+    until: tuple[float, Work] | None,
+) -> dict[int, float]:
+    """``BatcherModel._replay`` as first written (session 21), the definition the fast one
+    must match: the queue sorted by ``(rank, sent)`` at each batch, its rows and oldest
+    request counted by scanning it."""
+    out: dict[int, float] = {}
+    count = len(arrivals)
+    if not count:
+        return out
+    t = since if since > float("-inf") else arrivals[0][0]
+    pending: list[tuple[float, Work]] = []
+    i = 0
+    while i < count or pending:
+        while i < count and arrivals[i][0] <= t:
+            pending.append(arrivals[i])
+            i += 1
+        if not pending:
+            t = arrivals[i][0]
+            continue
+        oldest = min(sent for sent, _ in pending)
+        if sum(w.rows for _, w in pending) < b.max_batch and t < oldest + b.delay_s:
+            t = min(oldest + b.delay_s, arrivals[i][0]) if i < count else oldest + b.delay_s
+            continue
+        pending.sort(key=lambda p: (b.rank(p[1].level), p[0]))
+        rows = longest = 0.0
+        taken = 0
+        for _, w in pending:
+            if taken and rows + w.rows > b.max_batch:
+                break
+            rows += w.rows
+            longest = max(longest, w.cost / max(1, w.rows))
+            taken += 1
+        end = t + b.base_s + b.per_unit_s * rows * longest
+        if t <= now and end < now + b.overrun_s:
+            end = now + b.overrun_s
+        done = False
+        for arrival in pending[:taken]:
+            out[id(arrival)] = end
+            done = done or arrival is until
+        if done:
+            return out
+        del pending[:taken]
+        t = end
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_replay_matches_its_first_form_on_random_queues(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        b = BatcherModel(
+            max_batch=rng.choice([1, 4, 16, 32]),
+            delay_s=rng.choice([0.0, 0.0005, 0.002]),
+            base_s=rng.uniform(0.0, 0.01),
+            per_unit_s=rng.uniform(1e-6, 5e-5),
+            default_level=rng.randint(0, 3),
+            overrun_s=rng.choice([0.0, 0.001]),
+        )
+        now = 100.0
+        # Sending times on a 0.5 ms grid: ties are common, as for requests sent in one burst.
+        flights = sorted(
+            (
+                (
+                    now - rng.randint(0, 60) * 0.0005,
+                    work(rng.randint(0, 4), rng.randint(1, 600), rng.randint(1, 40)),
+                )
+                for _ in range(rng.randint(0, 40))
+            ),
+            key=lambda f: f[0],
+        )
+        since = rng.choice([float("-inf"), now - 0.05, now - 0.003, now])
+        new = (now, work(rng.randint(0, 4), rng.randint(1, 600)))
+        arrivals = [*flights, new]
+        for until in (new, None):
+            assert b._replay(list(arrivals), since, now, until) == reference_replay(
+                b, arrivals, since, now, until
+            )
+        assert b._replay(list(flights), since, now, None) == reference_replay(
+            b, flights, since, now, None
+        )
+
+
+def test_a_new_request_is_replayed_after_every_flight_even_one_that_read_the_clock_later() -> None:
+    # The flight was sent 1 ms after the decision read its clock: the new request, sent
+    # after it, is replayed as sent then, so it cannot overtake the flight in its level.
+    later = (NOW + 0.001, work(1, 32))
+    ends, finish = B.ends([later], NOW - 1.0, NOW, Job(1, 1, 32.0))
+    assert finish == ends[id(later)]  # one batch, formed when the delay ran out
+    assert finish == pytest.approx(NOW + 0.001 + 0.002 + batch_s(2, 32))
