@@ -109,7 +109,7 @@ from proxy.bench.procs import stop_process
 from proxy.bench.results import PROXY_BOOSTED, PROXY_COPIES, PROXY_RSS
 from proxy.bench.runner import LoadProbe, OneScrapeProbe, PrometheusGaugeProbe, TargetSpec
 from proxy.bench.scenario import ModelSpec, Scenario
-from proxy.bench.trace import class_probe, with_counters
+from proxy.bench.trace import class_probe, model_probes, with_counters
 from proxy.local.fleet import log_tail
 from proxy.routing.config import PolicySpec
 from proxy.routing.wake import WakeParams
@@ -1358,6 +1358,7 @@ def proxy_probe(
         scrape.append((boosted, PROXY_BOOSTED.removeprefix("proxy")))
         if trace:
             scrape.append(class_probe(page, model))
+            scrape += model_probes(page, model)
         parts.append((OneScrapeProbe(scrape), ""))
     if endpoints.pid is not None:
         parts.append((RssProbe(endpoints.pid), ""))

@@ -36,7 +36,15 @@ TRITON_COUNTERS = {
 CLASS_IN_FLIGHT = "triton_proxy_class_in_flight"
 CLASS_SUFFIX = " class in flight"
 """Probe keys ``<class> class in flight``: the proxy's requests of the model in flight."""
-TRACE_SUFFIXES = (*TRITON_COUNTERS.values(), CLASS_SUFFIX)
+MODEL_GAUGES = {
+    "triton_proxy_model_fill": " fill",
+    "triton_proxy_model_long_load": " long load",
+}
+"""The proxy's model gauges the trace keeps beside its occupancy (``proxy.routing.occupancy``:
+what decides whether long work is packed), by the suffix of their probe keys."""
+OCCUPANCY_KEY = "proxy occupancy"
+"""The probe key of the proxy's busy share (read by every proxy arm's probe)."""
+TRACE_SUFFIXES = (*TRITON_COUNTERS.values(), CLASS_SUFFIX, *MODEL_GAUGES.values())
 
 Sample = tuple[float, Mapping[str, float]]
 
@@ -64,6 +72,14 @@ def class_probe(page: Mapping[str, str], model: str) -> tuple[PrometheusGaugePro
     return probe, CLASS_SUFFIX
 
 
+def model_probes(page: Mapping[str, str], model: str) -> list[tuple[PrometheusGaugeProbe, str]]:
+    """The proxy's fill and long load of ``model`` (:data:`MODEL_GAUGES`), from its page."""
+    return [
+        (PrometheusGaugeProbe(page, metric, {"model": model}), suffix)
+        for metric, suffix in MODEL_GAUGES.items()
+    ]
+
+
 def with_counters(pending: PrometheusGaugeProbe, model: str, suffix: str = "") -> OneScrapeProbe:
     """``pending`` (Triton's queue gauge; its keys get ``suffix``) and the trace's counters,
     from one scrape of each Triton page."""
@@ -73,13 +89,17 @@ def with_counters(pending: PrometheusGaugeProbe, model: str, suffix: str = "") -
 def render_trace(samples: Sequence[Sample], servers: Sequence[str]) -> str:
     """One line per sample after the first (module doc):
 
-    ``t  classes in flight | server: rows per batch, batch ms, batches/s, queued, proxy in
-    flight | ...``; ``-`` where no batch ran there between the two samples, ``?`` where a
-    sample lacks the figure (an endpoint that did not answer)."""
+    ``t  classes in flight | occupancy, fill, long load | server: rows per batch, batch ms,
+    batches/s, queued, proxy in flight | ...``; ``-`` where no batch ran there between the
+    two samples, ``?`` where a sample lacks the figure (an endpoint that did not answer; the
+    fill and long load where the proxy's configuration has none)."""
     classes = sorted(
         {k.removesuffix(CLASS_SUFFIX) for _, s in samples for k in s if k.endswith(CLASS_SUFFIX)}
     )
+    gauged = any(OCCUPANCY_KEY in s for _, s in samples)
     head = "   t s | in flight " + "/".join(classes) if classes else "   t s"
+    if gauged:
+        head += " | occ  fill  long"
     cells = " | ".join(f"{n}: rows/batch  batch ms  batches/s  queued  proxy" for n in servers)
     lines = [f"{head} | {cells}"]
     for (t0, prev), (t1, now) in itertools.pairwise(samples):
@@ -87,6 +107,9 @@ def render_trace(samples: Sequence[Sample], servers: Sequence[str]) -> str:
         row = [f"{t1:6.1f}"]
         if classes:
             row.append(" " + "/".join(_count(now.get(c + CLASS_SUFFIX)) for c in classes))
+        if gauged:
+            keys = (OCCUPANCY_KEY, *(f"proxy{suffix}" for suffix in MODEL_GAUGES.values()))
+            row.append(" ".join(_share(now.get(k)) for k in keys))
         row += [_server(n, prev, now, dt) for n in servers]
         lines.append(" | ".join(row))
     return "\n".join(lines)
@@ -117,3 +140,7 @@ def _server(name: str, prev: Mapping[str, float], now: Mapping[str, float], dt: 
 
 def _count(value: float | None) -> str:
     return "?" if value is None else f"{value:.0f}"
+
+
+def _share(value: float | None) -> str:
+    return "   ?" if value is None else f"{value:4.2f}"

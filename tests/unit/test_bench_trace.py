@@ -151,3 +151,19 @@ def test_render_trace_gives_each_servers_batches_between_samples():
 @pytest.mark.parametrize("samples", [[], [(0.5, {"t0": 1.0})]])
 def test_render_trace_of_fewer_than_two_samples_is_its_heading(samples):
     assert render_trace(samples, ["t0"]).count("\n") == 0
+
+
+def test_render_trace_gives_the_proxys_occupancy_fill_and_long_load():
+    assert is_trace_key("proxy fill") and is_trace_key("proxy long load")
+    base = {"t0 batches": 1, "t0 rows": 1, "t0 requests": 1, "t0 compute us": 1}
+    samples = [
+        (0.5, {**base, "proxy occupancy": 0.5}),
+        (1.0, {**base, "proxy occupancy": 1.0, "proxy fill": 0.875, "proxy long load": 0.5}),
+        (1.5, {**base, "proxy occupancy": 0.25}),  # a configuration without the fill
+    ]
+    lines = render_trace(samples, ["t0"]).splitlines()
+    assert lines[0].split("|")[1].split() == ["occ", "fill", "long"]
+    assert lines[1].split("|")[1].split() == ["1.00", "0.88", "0.50"]
+    assert lines[2].split("|")[1].split() == ["0.25", "?", "?"]
+    # without the proxy's page (a direct arm) the column is not there
+    assert "occ" not in render_trace([(0.5, base), (1.0, base)], ["t0"])
