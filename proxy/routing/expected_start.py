@@ -116,19 +116,26 @@ class ExpectedStartParams:
     Opt-in."""
 
     short_reserve: int = 0
-    """``pack``: a long request of a class without ``max_per_instance`` does not open an
-    instance free of long work (``long_in_flight`` 0) while at most this many of the model's
-    instances are free of it (``RouteRequest.free_of_long``, sampled every 0.1 s): it joins
-    the lane instead, past ``lane_depth`` if need be, and past the lane instances' slot
-    limits (:meth:`ExpectedStart.keep_off` takes those instances out before placement's
-    filters; the gate still bounds the fleet's total). Why: a lane that overflows opens the
+    """``pack``: a packed long request does not open an instance free of long work
+    (``long_in_flight`` 0) while at most this many of the model's instances are free of it
+    (``RouteRequest.free_of_long``, sampled every 0.1 s): it joins the lane instead, past
+    ``lane_depth`` (or its class's ``max_per_instance``) if need be, and past the lane
+    instances' slot limits (:meth:`ExpectedStart.keep_off` takes those instances out before
+    placement's filters; the gate still bounds the fleet's total). A class with
+    ``max_per_instance`` is held only while the fleet's busy share is at least
+    ``pack_above`` (:meth:`ExpectedStart.holds_short`). Why: a lane that overflows opens the
     last instances running short batches only; the long rows pad them, every batch on the
     fleet becomes a padded one, the fleet serves no more than its FIFO capacity, and under
     overload the queues inside Triton never drain again (measured: an online burst at
     ``benchmarks/issue10/online_burst.yaml`` x2, every instance's batches 16 rows padded to
     512 tokens for the rest of the run, offline at the lowest priority starved; docs/
     benchmarks.md, issue 10, thirty-second round). The overflow waits in the lane's queue
-    instead, where deadline admission sheds what would be late. 0 (the default): off."""
+    instead, where deadline admission sheds what would be late. Until session 39 the
+    reserve held the uncapped classes only, and the throughput class's packed requests
+    (its floor boost, a lane deeper than its gate's count) opened the last short instance
+    at ``online_burst.yaml`` x2: every later long row counted it as lane, and one
+    repetition in three to five locked (docs/benchmarks.md, issue 10, thirty-ninth round).
+    0 (the default): off."""
 
     def __post_init__(self) -> None:
         if self.short_reserve < 0:
@@ -173,14 +180,14 @@ class ExpectedStart:
     and the gate, with ``spare_instances``, admits no more than the lane holds); for a class
     without a cap, ``long_in_flight >= lane_depth``; ``class_in_flight`` counts only for a
     capped class. ``opens`` (``short_reserve``): 1 for an instance free of long work while a
-    request of an uncapped class may not open one (at most ``short_reserve`` are free), else
-    0. ``where`` ranks, for a long request of an uncapped class (``long_to_idle``),
-    an instance with nothing of the model in flight 0 (while ``idle_reserve`` allows it), a
-    quiet one 1 (``quiet_depth``: no long work, fewer than ``quiet_depth`` in flight, and with
-    ``quiet_alone`` nothing of a more important level) and any other 2; for every other long
-    request it is 2 everywhere. Short requests avoid the lane through the ``long_weight``
-    term, so at light load long work runs on one instance and the others serve short batches
-    only (size-interval assignment); under load the lane grows one instance at a time.
+    held request may not open one (at most ``short_reserve`` are free), else 0. ``where`` ranks,
+    for a long request of an uncapped class (``long_to_idle``), an instance with nothing of the
+    model in flight 0 (while ``idle_reserve`` allows it), a quiet one 1 (``quiet_depth``: no
+    long work, fewer than ``quiet_depth`` in flight, and with ``quiet_alone`` nothing of a more
+    important level) and any other 2; for every other long request it is 2 everywhere. Short
+    requests avoid the lane through the ``long_weight`` term, so at light load long work runs on
+    one instance and the others serve short batches only (size-interval assignment); under load
+    the lane grows one instance at a time.
 
     where ``ahead`` counts this proxy's requests of the model in flight on the instance at level
     ``<= p`` (with Triton priorities, work queued at lower levels waits behind this request, so it
@@ -234,17 +241,20 @@ class ExpectedStart:
         )
 
     def holds_short(self, request: RouteRequest) -> bool:
-        """Whether ``request``, packed long work of an uncapped class, must keep off the
-        instances free of long work (``short_reserve``)."""
-        reserve = self.params.short_reserve
+        """Whether ``request``, packed long work, must keep off the instances free of long
+        work (``short_reserve``). A class with ``max_per_instance`` is held only while the
+        fleet is busy (its ``occupancy``, the busy share, at least ``pack_above``): when the
+        more important classes go idle its gate lends it the spare instances, and then the
+        busy share falls below that."""
+        p = self.params
         free = request.free_of_long
-        return (
-            reserve > 0
-            and request.class_cap is None
-            and free is not None
-            and len(free) <= reserve
-            and self.packs(request)
-        )
+        if not p.short_reserve or free is None or len(free) > p.short_reserve:
+            return False
+        if request.class_cap is not None and not (
+            p.pack_above is None or request.occupancy >= p.pack_above
+        ):
+            return False
+        return self.packs(request)
 
     def keep_off(self, request: RouteRequest) -> frozenset[str]:
         """With ``short_reserve``, a held request (:meth:`holds_short`) keeps off the instances

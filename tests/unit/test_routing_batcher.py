@@ -220,9 +220,24 @@ def test_short_reserve_keeps_the_last_short_instance_free_of_long_work() -> None
     assert held.choose([a, b, c], replace(online_long, free_of_long=None)).name == "c"
     # below pack_above nothing is packed, so nothing is held either
     assert held.choose([a, b, c], replace(online_long, occupancy=0.5)).name != "b"
-    # a capped class's lane is its gate's business (max_per_instance, spare_instances)
-    capped = replace(online_long, class_cap=64, class_name="offline")
-    assert held.choose([a, b, c], capped).name == plain.choose([a, b, c], capped).name
+    # A capped class whose lane (a, b) holds its max_per_instance is held too while the
+    # fleet is busy: it joins its lane past its cap (where the fewest long rows run) rather
+    # than open c.
+    lane = [replace(a, class_in_flight=8), replace(b, class_in_flight=8), c]
+    capped = replace(online_long, class_cap=8, class_name="offline")
+    assert plain.choose(lane, capped).name == "c"
+    assert held.choose(lane, capped).name == "b"
+    # Below pack_above it is not held, even where its backlog has it packed: its gate lends
+    # it the spare instances once the more important classes are idle, and then the busy
+    # share is low.
+    backlog = build_policy(
+        "expected_finish",
+        {"pack_above": 0.9, "pack_capped": "backlogged", "short_reserve": 1},
+        random.Random(0),
+    )
+    idle_others = replace(capped, occupancy=0.5, class_queued=5)
+    assert backlog.choose(lane, idle_others).name == "c"
+    assert backlog.choose(lane, replace(idle_others, occupancy=0.95)).name == "b"
     with pytest.raises(ValueError, match="short_reserve"):
         build_policy("expected_finish", {"pack_above": 0.9, "short_reserve": -1}, random.Random(0))
 
