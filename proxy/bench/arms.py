@@ -898,6 +898,19 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for load in CLASS_FILL_LOADS
     ]
+    # Today's class default with slots counted by rank (session 39: its real-time requests
+    # spilled onto the long lanes when shared slots filled the short instance).
+    class_default = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
+    plans.append(
+        replace(
+            class_default,
+            name=f"{class_default.name}+by_rank",
+            description=f"{class_default.name} with slot_sharing by_rank (a class counts only "
+            "the slots held by classes at least as important: placement's free-slot filter "
+            "reads the requests ahead of it in Triton's priority queue)",
+            scheduling={**(class_default.scheduling or {}), "slot_sharing": "by_rank"},
+        )
+    )
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(

@@ -846,3 +846,12 @@ def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derive
     lowest = derived.default_class
     classes[lowest] = replace(classes[lowest], spare_fraction=0.0)
     assert dict(lane.classes) == classes
+
+
+def test_the_class_default_by_rank_arm_is_the_class_default_with_slots_counted_by_rank() -> None:
+    base, by_rank = CATALOG[CLASS_DEFAULT_ARM], CATALOG[f"{CLASS_DEFAULT_ARM}+by_rank"]
+    assert by_rank.scheduling == {**(base.scheduling or {}), "slot_sharing": "by_rank"}
+    assert (
+        replace(by_rank, name=base.name, description=base.description, scheduling=base.scheduling)
+        == base
+    )
