@@ -97,6 +97,7 @@ def render_trace(samples: Sequence[Sample], servers: Sequence[str]) -> str:
         {k.removesuffix(CLASS_SUFFIX) for _, s in samples for k in s if k.endswith(CLASS_SUFFIX)}
     )
     gauged = any(OCCUPANCY_KEY in s for _, s in samples)
+    gauges = (OCCUPANCY_KEY, *(f"proxy{suffix}" for suffix in MODEL_GAUGES.values()))
     head = "   t s | in flight " + "/".join(classes) if classes else "   t s"
     if gauged:
         head += " | occ  fill  long"
@@ -108,8 +109,7 @@ def render_trace(samples: Sequence[Sample], servers: Sequence[str]) -> str:
         if classes:
             row.append(" " + "/".join(_count(now.get(c + CLASS_SUFFIX)) for c in classes))
         if gauged:
-            keys = (OCCUPANCY_KEY, *(f"proxy{suffix}" for suffix in MODEL_GAUGES.values()))
-            row.append(" ".join(_share(now.get(k)) for k in keys))
+            row.append(" ".join(_share(now.get(k)) for k in gauges))
         row += [_server(n, prev, now, dt) for n in servers]
         lines.append(" | ".join(row))
     return "\n".join(lines)

@@ -92,21 +92,6 @@ class BatcherModel:
         arrivals, last = _arrivals(flights, now, new)
         return self._replay(arrivals, since, now, last)[id(last)]
 
-    def ends(
-        self,
-        flights: Iterable[tuple[float, InFlight]],
-        since: float,
-        now: float,
-        new: InFlight | None = None,
-    ) -> tuple[dict[int, float], float | None]:
-        """Predicted end of every request in flight, by ``id`` of its ``(sent_at, work)``
-        tuple, and of ``new`` (sent at ``now``; None without it)."""
-        if new is None:
-            return self._replay(sorted(flights, key=_sent), since, now, None), None
-        arrivals, last = _arrivals(flights, now, new)
-        out = self._replay(arrivals, since, now, None)
-        return out, out[id(last)]
-
     def with_and_without(
         self,
         flights: Iterable[tuple[float, InFlight]],
@@ -114,7 +99,9 @@ class BatcherModel:
         now: float,
         new: InFlight,
     ) -> tuple[dict[int, float], dict[int, float], float]:
-        """``ends`` without ``new`` and with it, and ``new``'s end: the flights sorted once."""
+        """Predicted end of every request in flight, by ``id`` of its ``(sent_at, work)``
+        tuple, without ``new`` and with it (sent at ``now``), and ``new``'s end: the flights
+        sorted once for both replays (``expected_finish``'s ``count_delays``)."""
         arrivals, last = _arrivals(flights, now, new)
         after = self._replay(arrivals, since, now, None)
         before = self._replay(arrivals[:-1], since, now, None)

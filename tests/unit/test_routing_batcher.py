@@ -124,10 +124,12 @@ def test_expected_finish_replays_only_its_shortlist() -> None:
 
 def test_ends_cover_every_request_and_match_finish() -> None:
     flights = [(NOW - 0.004, work(2, 32)), (NOW - 0.001, work(3, 512, rows=2))]
-    ends, finish = B.ends(flights, NOW - 0.01, NOW, SHORT)
+    before, ends, finish = B.with_and_without(flights, NOW - 0.01, NOW, SHORT)
     assert {id(f) for f in flights} <= set(ends) and len(ends) == 3
+    assert set(before) == {id(f) for f in flights}
     assert finish == pytest.approx(B.finish(flights, NOW - 0.01, NOW, SHORT))
-    assert B.ends([], NOW, NOW) == ({}, None)
+    empty, alone, _ = B.with_and_without([], NOW, NOW, SHORT)
+    assert empty == {} and len(alone) == 1
 
 
 def test_counting_delays_keeps_a_long_request_off_queued_short_rows() -> None:
@@ -368,6 +370,6 @@ def test_a_new_request_is_replayed_after_every_flight_even_one_that_read_the_clo
     # The flight was sent 1 ms after the decision read its clock: the new request, sent
     # after it, is replayed as sent then, so it cannot overtake the flight in its level.
     later = (NOW + 0.001, work(1, 32))
-    ends, finish = B.ends([later], NOW - 1.0, NOW, Job(1, 1, 32.0))
+    _, ends, finish = B.with_and_without([later], NOW - 1.0, NOW, Job(1, 1, 32.0))
     assert finish == ends[id(later)]  # one batch, formed when the delay ran out
     assert finish == pytest.approx(NOW + 0.001 + 0.002 + batch_s(2, 32))
