@@ -31,6 +31,8 @@ Every arm sends the same schedule to the same local Triton servers:
   ``+by_rank+late`` with deadline admission (``shed_late``); ``+adaptive+depth64`` and
   ``+adaptive+reserve`` with one lane parameter more. :data:`CLASS_DEFAULT_ARM` is the one
   whose routing and scheduling a policy file with classes and no routing section gets today;
+  its ``+by_rank`` counts slots by rank, its ``+no_copy`` sends no doorbell copies (the
+  redirect wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -901,7 +903,7 @@ def _catalog() -> dict[str, ArmPlan]:
     # Today's class default with slots counted by rank (session 39: its real-time requests
     # spilled onto the long lanes when shared slots filled the short instance).
     class_default = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
-    plans.append(
+    plans += (
         replace(
             class_default,
             name=f"{class_default.name}+by_rank",
@@ -909,7 +911,15 @@ def _catalog() -> dict[str, ArmPlan]:
             "the slots held by classes at least as important: placement's free-slot filter "
             "reads the requests ahead of it in Triton's priority queue)",
             scheduling={**(class_default.scheduling or {}), "slot_sharing": "by_rank"},
-        )
+        ),
+        # Issue 13 (session 40): what the doorbell's expired copies cost per request.
+        replace(
+            class_default,
+            name=f"{class_default.name}+no_copy",
+            description=f"{class_default.name} without the doorbell: the redirect wake with "
+            "its own defaults, no copies sent (routing.wake as without classes)",
+            routing={**(class_default.routing or {}), "wake": asdict(WakeParams())},
+        ),
     )
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)

@@ -70,6 +70,7 @@ from proxy.bench.sweep import (
     sweep_summary,
     window_floor,
 )
+from proxy.routing.wake import WakeParams
 from proxy.scheduling.config import SchedulingConfig
 from proxy.strict import ConfigError
 
@@ -855,3 +856,16 @@ def test_the_class_default_by_rank_arm_is_the_class_default_with_slots_counted_b
         replace(by_rank, name=base.name, description=base.description, scheduling=base.scheduling)
         == base
     )
+
+
+def test_the_class_default_no_copy_arm_is_the_class_default_with_the_redirect_wake() -> None:
+    sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
+    base = config_mod.parse(proxy_policy(SERVERS, CATALOG[CLASS_DEFAULT_ARM], sc), "<t>")
+    plain = config_mod.parse(
+        proxy_policy(SERVERS, CATALOG[f"{CLASS_DEFAULT_ARM}+no_copy"], sc), "<t>"
+    )
+    assert base.routing.wake.expired_copy and base.routing.wake.nudge
+    assert plain.routing.wake == WakeParams()
+    assert not plain.routing.wake.nudge
+    assert replace(plain.routing, wake=base.routing.wake) == base.routing
+    assert plain.scheduling == base.scheduling
