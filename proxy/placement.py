@@ -36,12 +36,12 @@ def _no_limit(instance: str, model: str) -> int | None:
     return None
 
 
-ByLevel = Callable[[], bool]
-"""Whether a request counts against an instance's slots only the requests there that Triton
-serves no later than itself (its priority level or a more important one)"""
+ByLevel = Callable[[str], bool]
+"""Whether a request of the model counts against an instance's slots only the requests there
+that Triton serves no later than itself (its priority level or a more important one)"""
 
 
-def _shared() -> bool:
+def _shared(model: str) -> bool:
     return False
 
 
@@ -62,11 +62,11 @@ class FleetPlacement:
     The gate admits no more than the sum of the slots (and cap x instances of a capped
     class), so one has room unless a retry excluded it; then any instance serves rather
     than none. A candidate's *filter level* (``2 * full + at_cap``) encodes both: the kept
-    candidates are those at the lowest level present. With ``slots_by_level`` (the
-    scheduling section's ``slot_sharing: by_rank``) a request finds a slot free when fewer
-    than the limit of the requests there would be served before it or with it (``ahead`` at
-    its Triton priority level): real-time work does not spill onto a long lane because online
-    work filled the short instance's slots.
+    candidates are those at the lowest level present. With ``slots_by_level`` (the model's
+    ``slot_sharing`` ``by_rank`` or ``placed_by_rank``, as its gate enforces it) a request
+    finds a slot free when fewer than the limit of the requests there would be served before
+    it or with it (``ahead`` at its Triton priority level): real-time work does not spill
+    onto a long lane because online work filled the short instance's slots.
     """
 
     def __init__(
@@ -100,9 +100,8 @@ class FleetPlacement:
     def positions(self) -> Mapping[str, int]:
         return self.fleet.positions
 
-    @property
-    def slots_by_level(self) -> bool:
-        return self._by_level()
+    def slots_by_level(self, model: str) -> bool:
+        return self._by_level(model)
 
     def builder(self, request: RouteRequest) -> Builder:
         """``build(name)``: the candidate of instance ``name`` for requests shaped like
@@ -119,7 +118,7 @@ class FleetPlacement:
         level = request.level
         cap = request.class_cap
         # Read once per builder: a reload that changes it builds a new router, and new views.
-        by_level = self._by_level()
+        by_level = self._by_level(model)
 
         def build(name: str) -> tuple[Candidate, int] | None:
             inst = fleet.instances.get(name)

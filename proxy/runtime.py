@@ -487,12 +487,12 @@ class Runtime:
         gates = self.canary_gates or self.gates
         return gates.slot_limit(instance, model) if gates is not None else None
 
-    def _slots_by_level(self) -> bool:
-        return self.gates is not None and self.gates.slots_by_level
+    def _slots_by_level(self, model: str) -> bool:
+        return self.gates is not None and self.gates.slots_by_level(model)
 
-    def _canary_slots_by_level(self) -> bool:
+    def _canary_slots_by_level(self, model: str) -> bool:
         gates = self.canary_gates or self.gates
-        return gates is not None and gates.slots_by_level
+        return gates is not None and gates.slots_by_level(model)
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         return headers.get(self.config.routing.session_header.lower()) or None

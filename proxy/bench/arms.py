@@ -29,10 +29,12 @@ Every arm sends the same schedule to the same local Triton servers:
   shorter window for the adaptive law (:data:`FAST_WINDOW_S`); ``+by_rank`` with
   ``slot_sharing: by_rank``; ``+by_rank+adaptive`` also with adaptive concurrency,
   ``+by_rank+late`` with deadline admission (``shed_late``); ``+adaptive+depth64`` and
-  ``+adaptive+reserve`` with one lane parameter more. :data:`CLASS_DEFAULT_ARM` is the one
-  whose routing and scheduling a policy file with classes and no routing section gets today;
-  its ``+by_rank`` counts slots by rank, its ``+no_copy`` sends no doorbell copies (the
-  redirect wake);
+  ``+adaptive+reserve`` with one lane parameter more. :data:`SHARED_DEFAULT_ARM` was the
+  class default of sessions 38-39; its ``+by_rank`` counts slots by rank, its
+  ``+placed_by_rank`` only in placement (the gate's pool shared) and is
+  :data:`CLASS_DEFAULT_ARM`, the one whose routing and scheduling a policy file with classes
+  and no routing section gets today; its ``+no_copy`` sends no doorbell copies (the redirect
+  wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -202,11 +204,15 @@ BOOST_ARM = "proxy_classes_default+adaptive+reserve+lane+late+spare_third+boost5
 """The class default of session 36 (the floor boost after 5 s): the arm the lane and fill
 variants below vary."""
 
-CLASS_DEFAULT_ARM = f"{BOOST_ARM}+busy4+from5"
+SHARED_DEFAULT_ARM = f"{BOOST_ARM}+busy4+from5"
+"""The class default of sessions 38-39: its lowest class's lane is the one
+:func:`proxy.scheduling.config.derived_lane` gives the benchmark's model (``max_batch_size``
+16), its fill :data:`proxy.routing.config.CLASS_FILL` (session 38), its slots shared."""
+
+CLASS_DEFAULT_ARM = f"{SHARED_DEFAULT_ARM}+placed_by_rank"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
-both and compares): its lowest class's lane is the one :func:`proxy.scheduling.config.derived_lane`
-gives the benchmark's model (``max_batch_size`` 16), its fill
-:data:`proxy.routing.config.CLASS_FILL` (session 38)."""
+both and compares): :data:`SHARED_DEFAULT_ARM` whose placement counts slots by rank
+(``slot_sharing`` left null resolves to ``placed_by_rank`` there since session 40)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
@@ -223,9 +229,13 @@ model, ``max_batch_size`` 16)."""
 RESERVE_ARM = "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve"
 """The arm ``policies/mixed-traffic.yaml`` was from the thirty-third round to session 37."""
 
-SHIPPED_ARM = f"{RESERVE_ARM}+busy4+from5"
-"""The arm ``policies/mixed-traffic.yaml`` is since session 38: :data:`RESERVE_ARM` with the
-class default's fill (a unit test compares the two)."""
+FILL_SHIPPED_ARM = f"{RESERVE_ARM}+busy4+from5"
+"""The arm ``policies/mixed-traffic.yaml`` was in sessions 38-39: :data:`RESERVE_ARM` with the
+class default's fill."""
+
+SHIPPED_ARM = f"{FILL_SHIPPED_ARM}+placed_by_rank"
+"""The arm ``policies/mixed-traffic.yaml`` is since session 40: :data:`FILL_SHIPPED_ARM`
+whose gate counts one pool of slots, placement by rank (a unit test compares the two)."""
 
 CLASS_FILL_LOADS = (0.5,)
 """``routing.fill_from_load`` of the ``...+boost5+busy4`` arm's ``+from<N>`` variants (N: the
@@ -298,6 +308,25 @@ def _class_default(
         policy=MEASURED_CLASS_POLICY.name,
         policy_params={**MEASURED_CLASS_POLICY.params, **(params or {})},
         routing={"wake": asdict(MEASURED_CLASS_WAKE)},
+    )
+
+
+SHARING_WHAT: Mapping[str, str] = {
+    "by_rank": "a class counts only the slots held by classes at least as important: "
+    "placement's free-slot filter reads the requests ahead of it in Triton's priority queue",
+    "placed_by_rank": "the gate counts one pool; placement's free-slot filter counts an "
+    "instance's slots by rank",
+}
+"""What each ``slot_sharing`` of a ``+<sharing>`` arm does, for its description."""
+
+
+def _sharing(plan: ArmPlan, sharing: str) -> ArmPlan:
+    """``plan`` with ``slot_sharing: <sharing>``, named ``<plan>+<sharing>``."""
+    return replace(
+        plan,
+        name=f"{plan.name}+{sharing}",
+        description=f"{plan.name} with slot_sharing {sharing} ({SHARING_WHAT[sharing]})",
+        scheduling={**(plan.scheduling or {}), "slot_sharing": sharing},
     )
 
 
@@ -900,18 +929,14 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for load in CLASS_FILL_LOADS
     ]
-    # Today's class default with slots counted by rank (session 39: its real-time requests
-    # spilled onto the long lanes when shared slots filled the short instance).
-    class_default = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
+    # The class default with slots counted by rank (session 39: its real-time requests
+    # spilled onto the long lanes when shared slots filled the short instance); counted so in
+    # placement only, today's class default (session 40).
+    class_default = next(p for p in plans if p.name == SHARED_DEFAULT_ARM)
     plans += (
-        replace(
-            class_default,
-            name=f"{class_default.name}+by_rank",
-            description=f"{class_default.name} with slot_sharing by_rank (a class counts only "
-            "the slots held by classes at least as important: placement's free-slot filter "
-            "reads the requests ahead of it in Triton's priority queue)",
-            scheduling={**(class_default.scheduling or {}), "slot_sharing": "by_rank"},
-        ),
+        _sharing(class_default, "by_rank"),
+        # Session 40: counted by rank in placement only (the gate's pool stays shared).
+        _sharing(class_default, "placed_by_rank"),
         # Issue 13 (session 40): what the doorbell's expired copies cost per request.
         replace(
             class_default,
@@ -926,7 +951,7 @@ def _catalog() -> dict[str, ArmPlan]:
     plans.append(
         replace(
             shipped_reserve,
-            name=SHIPPED_ARM,
+            name=FILL_SHIPPED_ARM,
             description=f"{RESERVE_ARM} with the class default's fill "
             "(policies/mixed-traffic.yaml since session 38): an SLO class's long work is "
             "packed by the mean requests in flight per instance over 0.25 x max_batch_size "
@@ -940,6 +965,7 @@ def _catalog() -> dict[str, ArmPlan]:
             },
         )
     )
+    plans.append(_sharing(plans[-1], "placed_by_rank"))  # the shipped file's (session 40)
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
@@ -978,7 +1004,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # (twenty-fourth round), sent after a fixed silence (twenty-sixth round), with adaptive
     # concurrency and deadline admission (twenty-ninth round), and the reserve of one
     # instance free of long work (thirty-third round), and the fill for online's long work
-    # where it needs half an instance (thirty-eighth round; it is policies/mixed-traffic.yaml).
+    # where it needs half an instance (thirty-eighth round), placement's slots by rank and
+    # the gate's shared (fortieth round; it is policies/mixed-traffic.yaml).
     # The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",
@@ -1129,6 +1156,9 @@ def proxy_policy(
         # act (an older --baseline-tree does not know the key).
         if load_scheduling(section).boosted_classes():
             section["starved_after_s"] = None
+        # And placement's slots counted by rank (``placed_by_rank``, by default where routing
+        # packs and the model has priority levels, since session 40).
+        section["slot_sharing"] = "shared"
         section.update(dict(plan.scheduling or {}))
         doc["scheduling"] = section
     return doc

@@ -231,7 +231,7 @@ class Router:
         key = (source, request.model, request.class_name, request.class_cap, request.level)
         view = self._views.get(key)
         if view is None:
-            shape = Shape.of(request, policy.reads_ahead or source.slots_by_level)
+            shape = Shape.of(request, policy.reads_ahead or source.slots_by_level(request.model))
             view = self._by_shape.get((source, shape))
             if view is None:
                 view = ModelView(source, shape.request(request), self)

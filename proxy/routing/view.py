@@ -96,9 +96,9 @@ class CandidateSource(Protocol):
         """Every instance's place in policy order."""
         ...
 
-    @property
-    def slots_by_level(self) -> bool:
-        """The filter counts slots by priority level (the candidates depend on the level)."""
+    def slots_by_level(self, model: str) -> bool:
+        """The filter counts slots of ``model`` by priority level (the candidates depend on
+        the level)."""
         ...
 
     def builder(self, request: RouteRequest) -> Callable[[str], tuple[Candidate, int] | None]:

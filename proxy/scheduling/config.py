@@ -11,8 +11,12 @@ path inside it. Omitting the section gives three classes::
       max_queued_total: null            # global queue bound; over it, the lowest classes shed
       retry_after_s: 1.0                # Retry-After sent with every shed
       concurrency: null                 # per-instance dispatch slots; null = derived
-      slot_sharing: shared              # or by_rank: a class counts only the slots held by
-                                        # classes at least as important as itself
+      slot_sharing: null                # shared: one pool; by_rank: a class counts only the
+                                        # slots held by classes at least as important as
+                                        # itself; placed_by_rank: one pool at the gate, by
+                                        # rank in placement; null: placed_by_rank where the
+                                        # model's routing packs long work and it has
+                                        # priority levels, else shared
       starved_after_s: 5.0              # a min_share class answered nothing for this long:
                                         # its reservation goes at the top class's priority
       throughput_lane: true             # classes without an SLO, below one with it: a long
@@ -50,7 +54,7 @@ from proxy.scheduling.cost import CostOverride
 from proxy.strict import mask_secret
 
 DispatchMode = Literal["strict_aging", "weighted_round_robin"]
-SlotSharing = Literal["shared", "by_rank"]
+SlotSharing = Literal["shared", "by_rank", "placed_by_rank"]
 LateBy = Literal["mean", "tail"]
 
 HASHED_KEY_PREFIX = "sha256:"
@@ -340,7 +344,7 @@ class SchedulingConfig:
     """Fixed dispatch slots per Triton instance; null (the default) = adaptive
     (``adaptive_concurrency``), or :func:`derive_concurrency` from the model when that is
     disabled."""
-    slot_sharing: SlotSharing = "shared"
+    slot_sharing: SlotSharing | None = None
     """How classes count the dispatch slots (capacity) against each other.
 
     ``shared``: one pool; a class may dispatch while fewer than ``capacity`` requests of any
@@ -352,7 +356,22 @@ class SchedulingConfig:
     share holds under overload. In flight over all classes is then at most ``capacity`` per
     distinct rank (plus the reservations), not ``capacity``. Use it when the classes map onto
     Triton priority levels (``triton_priority``) of models that have them; without them Triton
-    serves in arrival order and ``shared`` is the right count."""
+    serves in arrival order and ``shared`` is the right count. ``placed_by_rank``: the gate
+    counts one pool, as ``shared`` does (Triton's queues stay as deep as the slots), and
+    placement's free-slot filter counts an instance's slots by rank, as ``by_rank`` does (a
+    real-time request still finds the instance kept free of long work open when online work
+    holds its slots, instead of spilling onto a long lane).
+
+    ``null`` (the default): ``placed_by_rank`` for a model whose routing packs long work (the
+    class default's placement, :meth:`for_model`) and whose batcher has priority levels,
+    ``shared`` elsewhere. Measured (docs/benchmarks.md, issue 10, fortieth round): on that
+    placement, shared slots let online's requests fill the one instance kept free of long
+    work in ``online_burst.yaml``'s bursts at 2x capacity, and real-time then spilled onto
+    the long lane (97.8-98.8 % within its SLO in 2 of 10 repetitions). ``by_rank`` mended
+    that but cost real-time a tenth of its attainment where it surges beyond the fleet
+    (``surge.yaml`` x1: 66 % against 74 % within its SLO): with more in flight, real-time
+    waited inside Triton, where deadline admission cannot shed it, instead of at the gate.
+    ``placed_by_rank`` keeps the gate's pool and takes only placement's count."""
     shed_late: bool | None = None
     """Deadline admission: shed at once a request predicted to be answered after its budget
     (its class's ``slo_p99_ms`` or its client's deadline, whichever is earlier), instead of
@@ -504,15 +523,28 @@ class SchedulingConfig:
             if c.slo_p99_ms is None and c.max_per_instance is None and c.rank > best
         )
 
-    def for_model(self, max_batch_size: int, packs_long: bool = True) -> SchedulingConfig:
+    def ranks_placement(self) -> bool:
+        """Placement counts an instance's slots by rank (``by_rank``, ``placed_by_rank``)."""
+        return self.slot_sharing in ("by_rank", "placed_by_rank")
+
+    def for_model(
+        self, max_batch_size: int, packs_long: bool = True, priority_levels: int = 0
+    ) -> SchedulingConfig:
         """This section as the gate of a model with ``max_batch_size`` enforces it: each of
-        :meth:`lane_classes` with its :func:`derived_lane`, and ``shed_late`` decided where
-        the file leaves it ``null``. ``packs_long``: whether the model's routing policy
-        gathers long work into a lane (``proxy.routing.base.Policy.packs_long``); without it
-        no lane is derived and ``shed_late`` defaults to off."""
+        :meth:`lane_classes` with its :func:`derived_lane`, and ``shed_late`` and
+        ``slot_sharing`` decided where the file leaves them ``null``. ``packs_long``: whether
+        the model's routing policy gathers long work into a lane
+        (``proxy.routing.base.Policy.packs_long``); without it no lane is derived and
+        ``shed_late`` defaults to off. ``priority_levels``: the model's batcher's (0: none,
+        Triton serves in arrival order); slots are counted by rank by default only where it
+        has some and the routing packs long work (``placed_by_rank``)."""
         config = self
         if self.shed_late is None:
-            config = dataclasses.replace(self, shed_late=packs_long)
+            config = dataclasses.replace(config, shed_late=packs_long)
+        if self.slot_sharing is None:
+            ranked = packs_long and priority_levels > 0
+            sharing: SlotSharing = "placed_by_rank" if ranked else "shared"
+            config = dataclasses.replace(config, slot_sharing=sharing)
         lane = derived_lane(max_batch_size)
         names = self.lane_classes()
         if lane is None or not names or not packs_long:

@@ -152,11 +152,11 @@ class ModelGates:
         """The model's batching facts, once its gate exists."""
         return self._infos.get(model)
 
-    @property
-    def slots_by_level(self) -> bool:
-        """Placement counts against an instance's slots only the requests Triton serves no
-        later than the new one (``slot_sharing: by_rank``)."""
-        return self.config.slot_sharing == "by_rank"
+    def slots_by_level(self, model: str) -> bool:
+        """Placement counts against an instance's slots of ``model`` only the requests Triton
+        serves no later than the new one (``slot_sharing: by_rank`` or ``placed_by_rank`` as
+        the model's gate enforces it, :meth:`config_for`)."""
+        return self.config_for(model).ranks_placement()
 
     def slot_limit(self, instance: str, model: str) -> int | None:
         """Placement's per-instance bound for ``model``, or None before its gate exists."""
@@ -217,7 +217,9 @@ class ModelGates:
         if gate is None:
             self._infos[model] = info
             gate = self.gates[model] = Gate(
-                self.config.for_model(info.max_batch_size, self.packs_long(model)),
+                self.config.for_model(
+                    info.max_batch_size, self.packs_long(model), info.priority_levels
+                ),
                 lambda: self.capacity(info, model),
                 self.clock,
                 self.observer,
@@ -267,7 +269,9 @@ class ModelGates:
         self.config = config
         for model, gate in self.gates.items():
             info = self._infos[model]
-            gate.reconfigure(config.for_model(info.max_batch_size, self.packs_long(model)))
+            gate.reconfigure(
+                config.for_model(info.max_batch_size, self.packs_long(model), info.priority_levels)
+            )
 
     def close(self) -> None:
         for gate in self.gates.values():

@@ -4,6 +4,7 @@ completions per window, shed reasons, proxy memory, goodput and the best baselin
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -16,11 +17,14 @@ from proxy.bench import cli as bench_cli
 from proxy.bench.arms import (
     CATALOG,
     CLASS_DEFAULT_ARM,
+    FILL_SHIPPED_ARM,
     LANE_CONCURRENCY,
     LANE_DEPTH,
     PRESETS,
     PREVIOUS_CONCURRENCY,
     SHALLOW_DEPTH,
+    SHARED_DEFAULT_ARM,
+    SHIPPED_ARM,
     ArmPlan,
     parse_vm_rss_mib,
     proxy_policy,
@@ -453,7 +457,8 @@ def test_issue10_preset():
         "haproxy_random2",
         "proxy_previous_best",
         "proxy_shallow_lane",
-        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5",
+        "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5"
+        "+placed_by_rank",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
@@ -782,6 +787,14 @@ def test_shed_reason_reads_every_message_the_proxy_sends():
         assert shed_reason(str(err)) == reason.value, str(err)
 
 
+ACCEL_SIM_PRIORITY_LEVELS = int(
+    re.search(
+        r"priority_levels:\s*(\d+)",
+        (ROOT / "model_repository" / "accel_sim" / "config.pbtxt").read_text(),
+    ).group(1)  # type: ignore[union-attr]
+)
+
+
 @pytest.mark.parametrize("scenario", ["case.yaml", "online_burst.yaml"])
 def test_the_class_default_arm_is_what_a_file_with_classes_and_no_routing_gets(scenario: str):
     """The class default arms are pinned (MEASURED_CLASS_POLICY); CLASS_DEFAULT_ARM names the
@@ -801,9 +814,12 @@ def test_the_class_default_arm_is_what_a_file_with_classes_and_no_routing_gets(s
     assert today.scheduling.lane_classes() == (lowest,)
     assert measured.scheduling.lane_classes() == ()
     # What the model's gate enforces (the lane, deadline admission) is the same.
-    gate = today.scheduling.for_model(ACCEL_SIM_MAX_BATCH, packs_long=True)
+    gate = today.scheduling.for_model(
+        ACCEL_SIM_MAX_BATCH, packs_long=True, priority_levels=ACCEL_SIM_PRIORITY_LEVELS
+    )
     assert replace(measured.scheduling, throughput_lane=gate.throughput_lane) == gate
     assert gate.shed_late is True
+    assert gate.slot_sharing == "placed_by_rank"
 
 
 def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default():
@@ -826,8 +842,17 @@ def test_class_default_arms_keep_their_slots_and_adaptive_is_session_31s_default
     defaults = SchedulingConfig(
         classes=then.classes, default_class=then.default_class, api_keys=then.api_keys
     )
-    # ... and before the floor boost (session 36)
-    assert then == replace(defaults, throughput_lane=False, shed_late=False, starved_after_s=None)
+    # ... before the floor boost (session 36), and before slots counted by rank (session 40)
+    assert then == replace(
+        defaults,
+        throughput_lane=False,
+        shed_late=False,
+        starved_after_s=None,
+        slot_sharing="shared",
+    )
+    for arm in ("proxy_classes_default", "proxy_least_requests+classes", SHARED_DEFAULT_ARM):
+        packed = scheduling(arm).for_model(ACCEL_SIM_MAX_BATCH, True, ACCEL_SIM_PRIORITY_LEVELS)
+        assert packed.slot_sharing == "shared"
 
 
 def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derives():
@@ -849,20 +874,32 @@ def test_the_least_requests_lane_arm_spells_out_the_lane_a_packing_policy_derive
     assert dict(lane.classes) == classes
 
 
-def test_the_class_default_by_rank_arm_is_the_class_default_with_slots_counted_by_rank() -> None:
-    base, by_rank = CATALOG[CLASS_DEFAULT_ARM], CATALOG[f"{CLASS_DEFAULT_ARM}+by_rank"]
-    assert by_rank.scheduling == {**(base.scheduling or {}), "slot_sharing": "by_rank"}
+@pytest.mark.parametrize("sharing", ["by_rank", "placed_by_rank"])
+def test_the_slot_sharing_arms_are_the_shared_default_with_another_count(sharing: str) -> None:
+    base, arm = CATALOG[SHARED_DEFAULT_ARM], CATALOG[f"{SHARED_DEFAULT_ARM}+{sharing}"]
+    assert arm.scheduling == {**(base.scheduling or {}), "slot_sharing": sharing}
     assert (
-        replace(by_rank, name=base.name, description=base.description, scheduling=base.scheduling)
+        replace(arm, name=base.name, description=base.description, scheduling=base.scheduling)
         == base
+    )
+    assert f"{SHARED_DEFAULT_ARM}+placed_by_rank" == CLASS_DEFAULT_ARM
+
+
+def test_the_shipped_arm_counts_by_rank_and_its_placed_variant_only_in_placement() -> None:
+    shipped, placed = CATALOG[FILL_SHIPPED_ARM], CATALOG[SHIPPED_ARM]
+    assert placed.name == f"{FILL_SHIPPED_ARM}+placed_by_rank"
+    assert shipped.scheduling is not None and shipped.scheduling["slot_sharing"] == "by_rank"
+    assert placed.scheduling == {**shipped.scheduling, "slot_sharing": "placed_by_rank"}
+    assert replace(placed, name=shipped.name, description=shipped.description) == replace(
+        shipped, scheduling=placed.scheduling
     )
 
 
-def test_the_class_default_no_copy_arm_is_the_class_default_with_the_redirect_wake() -> None:
+def test_the_no_copy_arm_is_the_shared_default_with_the_redirect_wake() -> None:
     sc = load_scenario(ROOT / "benchmarks" / "issue10" / "case.yaml")
-    base = config_mod.parse(proxy_policy(SERVERS, CATALOG[CLASS_DEFAULT_ARM], sc), "<t>")
+    base = config_mod.parse(proxy_policy(SERVERS, CATALOG[SHARED_DEFAULT_ARM], sc), "<t>")
     plain = config_mod.parse(
-        proxy_policy(SERVERS, CATALOG[f"{CLASS_DEFAULT_ARM}+no_copy"], sc), "<t>"
+        proxy_policy(SERVERS, CATALOG[f"{SHARED_DEFAULT_ARM}+no_copy"], sc), "<t>"
     )
     assert base.routing.wake.expired_copy and base.routing.wake.nudge
     assert plain.routing.wake == WakeParams()

@@ -68,7 +68,7 @@ class World:
             lambda request, source, exclude: router.place(request, source, exclude),
             self.snapshots.get,
             self.slot_limit,
-            lambda: self.by_level,
+            lambda model: self.by_level,
             keeps_sessions=router.keeps_sessions,
         )
 

@@ -174,8 +174,8 @@ def test_spare_instances_need_a_per_instance_cap() -> None:
     assert [lane.share_limit(100, n) for n in (1, 2, 3, 5)] == [4, 4, 4, 12]
 
 
-def test_slot_sharing_defaults_to_shared_and_refuses_unknown_values() -> None:
-    assert load_scheduling(None).slot_sharing == "shared"
+def test_slot_sharing_defaults_to_null_and_refuses_unknown_values() -> None:
+    assert load_scheduling(None).slot_sharing is None
     assert load_scheduling({"slot_sharing": "by_rank"}).slot_sharing == "by_rank"
     with pytest.raises(ConfigError, match="slot_sharing"):
         load_scheduling({"slot_sharing": "per_class"})
@@ -276,3 +276,26 @@ def test_spare_fraction_needs_a_lane_and_stays_below_one() -> None:
                 "classes": {"a": {"rank": 0, "max_per_instance": 2, "spare_fraction": 1.0}},
             }
         )
+
+
+def test_slot_sharing_left_null_places_by_rank_where_routing_packs_and_levels_exist() -> None:
+    config = load_scheduling(None)
+    assert config.slot_sharing is None
+    packed = config.for_model(16, packs_long=True, priority_levels=3)
+    assert packed.slot_sharing == "placed_by_rank"
+    # Triton serves in arrival order without levels; a policy that does not pack keeps one pool
+    assert config.for_model(16, packs_long=True, priority_levels=0).slot_sharing == "shared"
+    assert config.for_model(16, packs_long=False, priority_levels=3).slot_sharing == "shared"
+    for given in SHARINGS:
+        written = load_scheduling({"slot_sharing": given})
+        for packs, levels in ((True, 3), (False, 0)):
+            assert written.for_model(16, packs, levels).slot_sharing == given
+
+
+SHARINGS = ("shared", "by_rank", "placed_by_rank")
+
+
+def test_placement_counts_by_rank_under_by_rank_and_placed_by_rank_only() -> None:
+    ranks = {s: load_scheduling({"slot_sharing": s}).ranks_placement() for s in SHARINGS}
+    assert ranks == {"shared": False, "by_rank": True, "placed_by_rank": True}
+    assert not load_scheduling(None).ranks_placement()  # unresolved: as written, no rank

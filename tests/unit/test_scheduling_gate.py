@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -525,3 +526,40 @@ def test_only_a_model_whose_routing_packs_long_work_gets_the_derived_lane() -> N
     gates.reconfigure(config)
     assert lanes() == {"packs": None, "spreads": 8}
     gates.close()
+
+
+def test_placement_counts_slots_by_rank_per_model_as_its_gate_resolves_the_default() -> None:
+    # slot_sharing left null: placed_by_rank for a model with priority levels whose routing
+    # packs long work, shared for one without levels or whose routing does not pack.
+    clock = FakeClock()
+    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
+    section = {
+        "default_class": "lo",
+        "classes": {
+            "hi": {"rank": 0, "triton_priority": 1},
+            "lo": {"rank": 1, "triton_priority": 2},
+        },
+    }
+    gates = ModelGates(
+        load_scheduling(section),
+        fleet,
+        clock,
+        RecordingObserver(),
+        packs_long=lambda model: model != "spread",
+    )
+    levels = ModelInfo(max_batch_size=8, priority_levels=2, model_instances=1, decoupled=False)
+    fifo = replace(levels, priority_levels=0)
+    assert not gates.slots_by_level("m")  # no gate yet: the section as written
+    for model, info in (("m", levels), ("fifo", fifo), ("spread", levels)):
+        gates.gate(model, info)
+    assert gates.config_for("m").slot_sharing == "placed_by_rank"
+    assert [gates.slots_by_level(m) for m in ("m", "fifo", "spread")] == [True, False, False]
+    # the gate's own pool stays shared: placed_by_rank is not by_rank
+    assert gates.gates["m"].config.slot_sharing != "by_rank"
+    gates.close()
+    written = ModelGates(
+        load_scheduling({**section, "slot_sharing": "by_rank"}), fleet, clock, RecordingObserver()
+    )
+    written.gate("fifo", fifo)
+    assert written.slots_by_level("fifo")  # what the file says wins
+    written.close()

@@ -542,8 +542,10 @@ def test_shallow_per_instance_is_checked(cls: dict[str, Any], error: str) -> Non
 # -- slot_sharing: by_rank -------------------------------------------------------------------
 
 
-def test_shared_slots_make_the_top_class_wait_for_lower_classes() -> None:
-    q = make(THREE)
+@pytest.mark.parametrize("sharing", ["shared", "placed_by_rank"])
+def test_shared_slots_make_the_top_class_wait_for_lower_classes(sharing: str) -> None:
+    # placed_by_rank counts by rank in placement only: the gate's pool is shared
+    q = make(THREE, slot_sharing=sharing)
     for i in range(4):
         q.push(f"n{i}", "on", now=0.0)
     assert drain(q, now=0.0, capacity=4) == ["n0", "n1", "n2", "n3"]
