@@ -278,6 +278,9 @@ def test_spare_fraction_needs_a_lane_and_stays_below_one() -> None:
         )
 
 
+SHARINGS = ("shared", "by_rank", "placed_by_rank")
+
+
 def test_slot_sharing_left_null_places_by_rank_where_routing_packs_and_levels_exist() -> None:
     config = load_scheduling(None)
     assert config.slot_sharing is None
@@ -290,9 +293,6 @@ def test_slot_sharing_left_null_places_by_rank_where_routing_packs_and_levels_ex
         written = load_scheduling({"slot_sharing": given})
         for packs, levels in ((True, 3), (False, 0)):
             assert written.for_model(16, packs, levels).slot_sharing == given
-
-
-SHARINGS = ("shared", "by_rank", "placed_by_rank")
 
 
 def test_placement_counts_by_rank_under_by_rank_and_placed_by_rank_only() -> None:
