@@ -221,6 +221,12 @@ class ExpectedStart:
         self._rng = rng
         self.packs_long = params.long_placement == "pack"
 
+    def busy(self, request: RouteRequest) -> bool:
+        """Whether the fleet is busy enough for packing: ``occupancy`` at least
+        ``pack_above`` (always without it)."""
+        above = self.params.pack_above
+        return above is None or request.occupancy >= above
+
     def packs(self, request: RouteRequest) -> bool:
         """Whether ``request`` is long work placed by ``pack`` (at this occupancy)."""
         p = self.params
@@ -228,8 +234,7 @@ class ExpectedStart:
             request.long
             and p.long_placement == "pack"
             and (
-                p.pack_above is None
-                or request.occupancy >= p.pack_above
+                self.busy(request)
                 or (
                     request.class_cap is not None
                     and (
@@ -250,9 +255,7 @@ class ExpectedStart:
         free = request.free_of_long
         if not p.short_reserve or free is None or len(free) > p.short_reserve:
             return False
-        if request.class_cap is not None and not (
-            p.pack_above is None or request.occupancy >= p.pack_above
-        ):
+        if request.class_cap is not None and not self.busy(request):
             return False
         return self.packs(request)
 

@@ -217,15 +217,17 @@ class ModelGates:
         if gate is None:
             self._infos[model] = info
             gate = self.gates[model] = Gate(
-                self.config.for_model(
-                    info.max_batch_size, self.packs_long(model), info.priority_levels
-                ),
+                self._enforced(self.config, model, info),
                 lambda: self.capacity(info, model),
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
             )
         return gate
+
+    def _enforced(self, config: SchedulingConfig, model: str, info: ModelInfo) -> SchedulingConfig:
+        """``config`` as ``model``'s gate enforces it (:meth:`SchedulingConfig.for_model`)."""
+        return config.for_model(info.max_batch_size, self.packs_long(model), info.priority_levels)
 
     def admit(
         self, model: str, info: ModelInfo, class_name: str, deadline: float | None = None
@@ -269,9 +271,7 @@ class ModelGates:
         self.config = config
         for model, gate in self.gates.items():
             info = self._infos[model]
-            gate.reconfigure(
-                config.for_model(info.max_batch_size, self.packs_long(model), info.priority_levels)
-            )
+            gate.reconfigure(self._enforced(config, model, info))
 
     def close(self) -> None:
         for gate in self.gates.values():
