@@ -410,7 +410,12 @@ class Dispatcher:
                 if call.deadline is not None:
                     deadline.check(call.deadline, self.fleet.clock.now(), call.model)
                 placing = self._placing(r, priority, admitted.depth, admitted.backlog)
-                return await self._send(r, priority, placing, trace, linger=linger)
+                sent = await self._send(r, priority, placing, trace, linger=linger)
+                batcher = placing.request.batcher
+                if batcher is not None:
+                    # What it took of the device: pays a floored class's debt.
+                    admitted.served(batcher.share_s(call.rows, call.cost))
+                return sent
             finally:
                 admitted.release()
 
@@ -485,10 +490,7 @@ class Dispatcher:
         load = self.fleet.long_load
         if load is not None and long and cap is None and batcher is not None:
             # its share of full batches' device time (proxy.routing.occupancy.LongLoad)
-            load.add(
-                call.model,
-                batcher.base_s * call.rows / batcher.max_batch + batcher.per_unit_s * call.cost,
-            )
+            load.add(call.model, batcher.share_s(call.rows, call.cost))
         request = RouteRequest.fast(
             {
                 "model": call.model,

@@ -31,10 +31,11 @@ Every arm sends the same schedule to the same local Triton servers:
   ``+by_rank+late`` with deadline admission (``shed_late``); ``+adaptive+depth64`` and
   ``+adaptive+reserve`` with one lane parameter more. :data:`SHARED_DEFAULT_ARM` was the
   class default of sessions 38-39; its ``+by_rank`` counts slots by rank, its
-  ``+placed_by_rank`` only in placement (the gate's pool shared) and is
-  :data:`CLASS_DEFAULT_ARM`, the one whose routing and scheduling a policy file with classes
-  and no routing section gets today; its ``+no_copy`` sends no doorbell copies (the redirect
-  wake);
+  ``+placed_by_rank`` only in placement (the gate's pool shared, :data:`PLACED_DEFAULT_ARM`,
+  session 40's default), whose ``+starved2`` (``+starved3``) starts the floor boost once a
+  class owes 2 s (3 s) of its share and is :data:`CLASS_DEFAULT_ARM`, the one whose routing
+  and scheduling a policy file with classes and no routing section gets today; its
+  ``+no_copy`` sends no doorbell copies (the redirect wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -209,10 +210,14 @@ SHARED_DEFAULT_ARM = f"{BOOST_ARM}+busy4+from5"
 :func:`proxy.scheduling.config.derived_lane` gives the benchmark's model (``max_batch_size``
 16), its fill :data:`proxy.routing.config.CLASS_FILL` (session 38), its slots shared."""
 
-CLASS_DEFAULT_ARM = f"{SHARED_DEFAULT_ARM}+placed_by_rank"
+PLACED_DEFAULT_ARM = f"{SHARED_DEFAULT_ARM}+placed_by_rank"
+"""The class default of session 40: :data:`SHARED_DEFAULT_ARM` whose placement counts slots by
+rank (``slot_sharing`` left null resolves to ``placed_by_rank`` there since session 40)."""
+
+CLASS_DEFAULT_ARM = f"{PLACED_DEFAULT_ARM}+starved2"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
-both and compares): :data:`SHARED_DEFAULT_ARM` whose placement counts slots by rank
-(``slot_sharing`` left null resolves to ``placed_by_rank`` there since session 40)."""
+both and compares): :data:`PLACED_DEFAULT_ARM` whose floor boost starts once a class owes 2 s
+of its share (``starved_after_s`` 2, the default since session 41)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
@@ -236,6 +241,10 @@ class default's fill."""
 SHIPPED_ARM = f"{FILL_SHIPPED_ARM}+placed_by_rank"
 """The arm ``policies/mixed-traffic.yaml`` is since session 40: :data:`FILL_SHIPPED_ARM`
 whose gate counts one pool of slots, placement by rank (a unit test compares the two)."""
+
+CLASS_STARVED_AFTER = (1, 2, 3)
+"""``starved_after_s`` of the class default's ``+starved<N>`` variants (session 41: the floor
+boost's debt threshold, in seconds of the class's share)."""
 
 CLASS_FILL_LOADS = (0.5,)
 """``routing.fill_from_load`` of the ``...+boost5+busy4`` arm's ``+from<N>`` variants (N: the
@@ -946,6 +955,18 @@ def _catalog() -> dict[str, ArmPlan]:
             routing={**(class_default.routing or {}), "wake": asdict(WakeParams())},
         ),
     )
+    # Session 41: the floor boost's threshold (seconds of the class's share owed).
+    placed = next(p for p in plans if p.name == PLACED_DEFAULT_ARM)
+    plans += [
+        replace(
+            placed,
+            name=f"{placed.name}+starved{after}",
+            description=f"{placed.name} whose floor boost starts once a class is owed {after} s "
+            "of its share (starved_after_s)",
+            scheduling={**(placed.scheduling or {}), "starved_after_s": float(after)},
+        )
+        for after in CLASS_STARVED_AFTER
+    ]
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(

@@ -79,6 +79,12 @@ class BatcherModel:
     def rank(self, level: int) -> int:
         return level if level > 0 else self.default_level
 
+    def share_s(self, rows: int, cost: float) -> float:
+        """A request's share of full batches' device time: its rows' part of the fixed
+        time plus its own padded units (``proxy.routing.occupancy.LongLoad``, the floor
+        boost's debt)."""
+        return self.base_s * rows / self.max_batch + self.per_unit_s * cost
+
     def finish(
         self,
         flights: Iterable[tuple[float, InFlight]],

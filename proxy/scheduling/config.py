@@ -388,18 +388,20 @@ class SchedulingConfig:
     ``burst.yaml`` x2 (36 % -> 21 % within its SLO): batches padded by offline bursts make
     everyone late, and shedding cannot help that; hence not under a policy that does not
     pack."""
-    starved_after_s: float | None = 5.0
-    """The floor boost: a class with a ``min_share`` below the top class whose requests in
-    flight have had none answered for this long, while more wait at the gate, is *starved*:
-    Triton's priority queue serves every more important level first, so under a sustained
-    overload of those its requests wait inside Triton for ever, holding the slots its
-    reservation gave them. While starved, the class's next requests go at the top class's
-    Triton priority (``triton_priority_for(top_class())``), beyond its own limits, in rounds
-    of up to its reservation (``floor(min_share x capacity)``, at least one) with rests that
-    keep the rounds to about ``min_share`` of the fleet (``proxy.scheduling.queues._Boost``):
-    the reservation holds inside Triton too. Only an answer to one of its other requests ends
-    it. ``null``: never. Measured on ``surge.yaml`` (docs/benchmarks.md, thirty-sixth
-    round)."""
+    starved_after_s: float | None = 2.0
+    """The floor boost: a class with a ``min_share`` below the top class is owed device time
+    at its share of the fleet (``min_share x instances`` device-seconds per second) while it
+    has requests queued or in flight, and each answer pays back its request's device time
+    (by the model's learned cost curve). Once it owes this many seconds of its share, with
+    requests of it stuck in flight and more waiting at the gate, it is *starved*: Triton's
+    priority queue serves every more important level first, so under a sustained overload of
+    those its requests wait inside Triton for ever, holding the slots its reservation gave
+    them. While starved, the class's next requests go at the top class's Triton priority
+    (``triton_priority_for(top_class())``), beyond its own limits, as many as pay the debt (at
+    most its reservation, ``floor(min_share x capacity)``, in flight;
+    ``proxy.scheduling.queues._Floor``): the reservation holds inside Triton too. ``null``:
+    never. Measured on ``surge.yaml`` (docs/benchmarks.md, thirty-sixth and forty-first
+    rounds)."""
     late_by: LateBy = "mean"
     """With ``shed_late``, what a request that has waited is held to against its class's SLO:
     ``mean``, its wait plus the class's mean time inside Triton; ``tail``, its wait plus that

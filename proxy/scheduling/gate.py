@@ -119,6 +119,7 @@ class Ticket:
         "depth",
         "dispatched_at",
         "order",
+        "served_s",
         "waited_s",
     )
 
@@ -149,6 +150,9 @@ class Ticket:
         self.boosted = boosted
         """Dispatched by the floor boost (``SchedulingConfig.starved_after_s``): send it at
         the top class's Triton priority."""
+        self.served_s: float | None = None
+        """The device time its answer took, when known (set before the release): it pays
+        its class's floor debt (``proxy.scheduling.queues._Floor``)."""
 
     @property
     def released(self) -> bool:
@@ -194,6 +198,13 @@ class AdmissionBase:
     ) -> None:
         self.release()
 
+    def served(self, seconds: float | None) -> None:
+        """Its answer took ``seconds`` of device time (None: not known): said before the
+        release, it pays the class's floor debt (``proxy.scheduling.queues._Floor``)."""
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.served_s = seconds
+
     def release(self) -> None:
         """Free the slot now (idempotent): what leaving the ``async with`` does."""
         ticket = self._ticket
@@ -222,8 +233,9 @@ class Gate:
         observer: GateObserver | None = None,
         instances: Callable[[], int] = lambda: 1,
         lateness: LatenessPredictor | None = None,
+        fleet_part: float = 1.0,
     ) -> None:
-        self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config)
+        self._core: ClassQueues[asyncio.Future[Ticket]] = ClassQueues(config, fleet_part)
         self._capacity = capacity
         self._instances = instances
         self.lateness = lateness if lateness is not None else LatenessPredictor()
@@ -367,7 +379,7 @@ class Gate:
     def _release(self, ticket: Ticket) -> None:
         now = self._clock.now()
         self.lateness.on_release(now - ticket.dispatched_at)
-        self._core.release(ticket.class_name, now, boosted=ticket.boosted)
+        self._core.release(ticket.class_name, now, boosted=ticket.boosted, served_s=ticket.served_s)
         self._observer.on_complete(ticket.class_name)
         self._pump()
 

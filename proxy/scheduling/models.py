@@ -222,6 +222,7 @@ class ModelGates:
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
+                fleet_part=1.0 / self.workers,
             )
         return gate
 

@@ -25,13 +25,15 @@ Order of one ``pop``:
    4:1 ratio as 4 and 1 in every 5 dispatches while both are backlogged.
 
 Before all of this, the floor boost (``starved_after_s``): a class with a ``min_share`` below
-the top class whose requests in flight have had none answered for ``starved_after_s``, while
-more of it is queued, dispatches its head whatever the slots, its limit and the others hold:
-*boosted*, in rounds of up to its reservation with rests between them (:class:`_Boost`); the
-gate sends those at the top class's Triton priority (:attr:`Entry.boosted`). Under a sustained
-overload of the classes above it, Triton's priority queue would otherwise never start the
-class's requests, however many slots the proxy reserved for them (``surge.yaml`` at 2x: 0-5
-offline completions per 10 s window against a floor of 36).
+the top class is owed device time while it has requests queued or in flight, at its share of
+the fleet, and pays it back with each answer (:class:`_Floor`). Once it is behind by
+``starved_after_s`` of that share, with requests of it stuck in flight and more queued, it
+dispatches its head whatever the slots, its limit and the others hold: *boosted*, as many at
+once as pay the debt; the gate sends those at the top class's Triton priority
+(:attr:`Entry.boosted`). Under a sustained overload of the classes above it, Triton's priority
+queue would otherwise never start the class's requests, however many slots the proxy reserved
+for them (``surge.yaml`` at 2x: 0-5 offline completions per 10 s window against a floor of
+36).
 
 Shedding happens at ``push``: a full class queue sheds the newcomer (``queue_full``); a full
 global queue (``max_queued_total``) evicts the newest request of the least important class
@@ -52,6 +54,8 @@ from proxy.scheduling.config import ClassConfig, SchedulingConfig
 T = TypeVar("T")
 
 _EPS = 1e-9  # keeps 0.3 / 0.1 from flooring to 2
+_MEAN_WEIGHT = 0.2
+"""Weight of the newest answer in a floored class's mean device time (:class:`_Floor`)."""
 
 
 class ShedReason(enum.StrEnum):
@@ -99,52 +103,77 @@ class PushResult(Generic[T]):
 
 
 @dataclass(slots=True)
-class _Boost:
-    """A class's floor boost (module doc), sent in rounds: a round sends up to the class's
-    reservation at once and ends when the last of them is answered; the next may start only
-    after a rest long enough that rounds take ``fleet_share`` of the time (``min_share x
-    instances``, at most 1): ``rest = length x (1 / fleet_share - 1)``, as if a round kept
-    one instance busy while it lasts. A rate, not an exact share: the length counts the wait
-    behind the top level's queue too, and a round may spread over instances. At
-    ``surge.yaml`` x2 a round was 19 offline requests (0.1 x 192 adaptive slots: 4.75 full
-    batches, 1.6 s of one emulated device) every 5 s or so on three servers, about the
-    tenth of the fleet its ``min_share`` asks. Measured at ``surge.yaml`` x2
-    (docs/benchmarks.md, thirty-sixth round): boosting the reservation continuously held
-    offline at twice its floor and cost real-time (43 % -> 23 % within its SLO) and online
-    (93 % -> 45 %); these rounds hold the floor (40-61 per window against 36) for 5 and 7-15
-    points of real-time's and online's; rounds of one lane depth (8) cost nothing and held 17."""
+class _Floor:
+    """A floored class's account of the device time it is owed (module doc).
 
+    While the class has requests queued or in flight it is owed ``rate`` device-seconds per
+    second, ``min_share x instances``: its share of the fleet, each instance counted as one
+    device (times ``fleet_part``, one worker's part with ``serve --workers``). Each answer
+    pays back its request's device time (``served_s``: its share of a full batch by the
+    model's learned cost curve, ``BatcherModel.share_s``). Nothing is owed while the class
+    has nothing queued or in flight, and nothing is banked (an answer beyond the debt is no
+    credit for later), so a class served at its own pace owes nothing. Once the debt reaches
+    ``rate x starved_after_s``, the boost sends as many requests as pay it (the debt over the
+    class's mean device time per answer, at most its reservation in flight); their answers
+    pay it back, and the next ones go when it has grown again, so a class starved for good
+    is served at its share, one threshold behind. The debt is held to twice the threshold:
+    an outage is not repaid in a flood. An answer whose device time is unknown (no learned
+    curve yet, or an error) pays the whole debt: no answer for ``starved_after_s``, the rule
+    before session 41.
+
+    Why a debt and not a clock (docs/benchmarks.md, forty-first round): until session 40 the
+    boost waited for ``starved_after_s`` without any answer, then sent rounds of the
+    reservation with rests between them. At ``surge.yaml`` x2 each surge stopped offline for
+    about 4 s every 10 s, and a few answers between surges reset the clock: the boost fired
+    in some repetitions only, and offline's worst 10-s window fell to 17-38 against a floor
+    of 36. Rounds after 2 s fired in x1's surges too, where offline catches up by itself,
+    and cost online there; the debt after 2 s fires there in rounds of a few requests and
+    cost nothing measurable. Tried and not kept: paying one threshold ahead (4 repetitions:
+    no better at x2, online 8 points less within its SLO); a debt over a sliding 10-s window
+    (in a simulation of a class starved for good, surplus leaving the window came back as
+    bursts of debt: 21-35 answers per window against 30)."""
+
+    owed_s: float = 0.0
+    at: float = 0.0
+    """When ``owed_s`` was brought up to date."""
     in_flight: int = 0
-    sent: int = 0
-    """Requests the current round sent."""
-    started: float = 0.0
-    fleet_share: float = 1.0
-    rest_until: float = 0.0
+    """Boosted requests in flight (counted in the class's in-flight count too)."""
+    mean_s: float | None = None
+    """Mean device time of the class's answers (exponentially weighted; None: none known)."""
 
-    def send(self, now: float, fleet_share: float) -> None:
-        """One request more sent boosted; the first while none is in flight opens a round."""
-        if not self.in_flight:
-            self.sent = 0
-            self.started = now
-            self.fleet_share = fleet_share
-        self.in_flight += 1
-        self.sent += 1
+    def owed(self, now: float, active: bool, rate: float, cap: float) -> float:
+        """The debt at ``now`` (not recorded), the class active since :attr:`at` or not."""
+        if not active:
+            return 0.0
+        return min(cap, self.owed_s + rate * max(0.0, now - self.at))
 
-    def release(self, answered_at: float | None) -> None:
-        """One of the round's requests left (``answered_at``: when it was answered; None:
-        it was not); the last ends the round."""
-        self.in_flight -= 1
-        if self.in_flight:
+    def accrue(self, now: float, active: bool, rate: float, cap: float) -> None:
+        self.owed_s = self.owed(now, active, rate, cap)
+        self.at = max(self.at, now)
+
+    def pay(self, served_s: float | None) -> None:
+        if served_s is None:
+            self.owed_s = 0.0
             return
-        ended = answered_at if answered_at is not None else self.started
-        self.rest_until = ended + (ended - self.started) * (1.0 / self.fleet_share - 1.0)
+        self.owed_s = max(0.0, self.owed_s - served_s)
+        mean = self.mean_s
+        self.mean_s = served_s if mean is None else mean + _MEAN_WEIGHT * (served_s - mean)
+
+    def wanted(self, owed_s: float, reservation: int) -> int:
+        """Boosted requests in flight that would pay ``owed_s``, at most ``reservation``."""
+        if self.mean_s is None or self.mean_s <= 0.0:
+            return reservation
+        return min(reservation, math.ceil(owed_s / self.mean_s - _EPS))
 
 
 class ClassQueues(Generic[T]):
     """Per-class FIFO queues with priority/aging or WRR dispatch, quotas and shedding."""
 
-    def __init__(self, config: SchedulingConfig) -> None:
+    def __init__(self, config: SchedulingConfig, fleet_part: float = 1.0) -> None:
+        """``fleet_part``: the part of the fleet's traffic this process gates (``1 / N`` of
+        one of ``serve --workers N``): a floored class is owed that part of its share."""
         self._config = config
+        self._fleet_part = fleet_part
         self._queues: dict[str, OrderedDict[int, Entry[T]]] = {
             n: OrderedDict() for n in config.classes
         }
@@ -156,15 +185,13 @@ class ClassQueues(Generic[T]):
         self._top_rank = min(c.rank for c in config.classes.values())
         self._scale: dict[str, float] = {}
         self._arrived_at: dict[str, float] = {}
-        self._boosts: dict[str, _Boost] = {}
-        """Per class: its floor boost's requests in flight (counted in ``_in_flight`` too)
-        and rounds."""
-        self._progress_at: dict[str, float] = {}
-        """Per class: when one of its requests that was not boosted was last answered, or
-        when the class last started holding such requests (the floor boost's clock)."""
         self._floored = config.boosted_classes()
         """The classes the floor boost may lift (none while ``starved_after_s`` is null)."""
+        self._floors: dict[str, _Floor] = {name: _Floor() for name in self._floored}
+        """Per floored class: the device time it is owed, its boosted requests in flight."""
         self._starved_after = config.starved_after_s or 0.0
+        self._instances = 1
+        """Healthy instances at the last ``pop`` or ``take``: the floors' rate."""
 
     def set_share_scale(self, class_name: str, factor: float) -> None:
         """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
@@ -249,6 +276,8 @@ class ClassQueues(Generic[T]):
         queue = self._queues[class_name]
         cls = self._config.classes[class_name]
         self._arrived_at[class_name] = now
+        if class_name in self._floors:
+            self._accrue(class_name, now)
         if len(queue) >= cls.max_queue:
             return PushResult(None, ShedReason.QUEUE_FULL)
         evicted: tuple[Entry[T], ...] = ()
@@ -276,6 +305,8 @@ class ClassQueues(Generic[T]):
 
     def expire(self, now: float) -> list[Entry[T]]:
         """Remove and return the entries that have waited ``queue_timeout_s`` or longer."""
+        if self._floored:
+            self._accrue_all(now)
         expired: list[Entry[T]] = []
         for name, queue in self._queues.items():
             timeout = self._config.classes[name].queue_timeout_s
@@ -293,16 +324,16 @@ class ClassQueues(Generic[T]):
 
     def next_expiry(self, now: float | None = None) -> float | None:
         """When :meth:`expire` will next have something to return, or (given ``now``) a
-        class with requests queued and stuck in flight turns starved (the floor boost), if
-        that is later than ``now``, or its next boost round may start; None: neither."""
+        class with requests queued and stuck in flight turns starved (its debt reaches the
+        floor boost's threshold, :class:`_Floor`), if that is later than ``now``; None:
+        neither."""
         soonest: float | None = None
         if now is not None:
             for name in self._floored:
                 if self._queues[name] and self._unboosted(name):
-                    at = self._progress_at.get(name, now) + self._starved_after
-                    boost = self._boosts.get(name)
-                    if boost is not None and not boost.in_flight:
-                        at = max(at, boost.rest_until)
+                    rate, threshold, cap = self._floor_terms(name)
+                    owed = self._floors[name].owed(now, True, rate, cap)
+                    at = now + (threshold - owed) / rate
                     if at > now and (soonest is None or at < soonest):
                         soonest = at
         for name, queue in self._queues.items():
@@ -331,8 +362,13 @@ class ClassQueues(Generic[T]):
         if self._total_queued:
             return False
         self._arrived_at[class_name] = now
-        if class_name in self._floored and self._may_boost(class_name, now, capacity):
-            return False  # the pop boosts it
+        if class_name in self._floors:
+            # As push (the debt so far, at the last rate) then pop (the new rate and cap).
+            self._accrue(class_name, now)
+            self._instances = instances
+            self._accrue(class_name, now)
+            if self._may_boost(class_name, capacity):
+                return False  # the pop boosts it
         cls = self._config.classes[class_name]
         held = self._in_flight.get(class_name, 0)
         limit = cls.share_limit(
@@ -352,7 +388,7 @@ class ClassQueues(Generic[T]):
                 return False
         elif capacity <= self._total_in_flight:
             return False
-        self._taken(class_name, now)
+        self._take_slot(class_name)
         return True
 
     def pop(self, now: float, capacity: int, instances: int = 1) -> Entry[T] | None:
@@ -365,8 +401,11 @@ class ClassQueues(Generic[T]):
         """
         if self._total_queued == 0:
             return None
-        if self._floored and (starved := self._starved(now, capacity)) is not None:
-            return self._boost(starved, now, instances)
+        if self._floored:
+            self._instances = instances
+            self._accrue_all(now)
+            if (starved := self._starved(capacity)) is not None:
+                return self._boost(starved)
         free = capacity - self._total_in_flight
         by_rank = self._config.slot_sharing == "by_rank"
         if free <= 0 and not by_rank:
@@ -405,21 +444,19 @@ class ClassQueues(Generic[T]):
             chosen = self._pick_wrr(eligible)
         else:
             chosen = self._pick_aged(eligible, now)
-        return self._dispatch(chosen, now)
+        return self._dispatch(chosen)
 
-    def _dispatch(self, name: str, now: float) -> Entry[T]:
+    def _dispatch(self, name: str) -> Entry[T]:
         """Take ``name``'s head out of its queue and its slot."""
         entry = self._head(name)
-        self._taken(name, now)
+        self._take_slot(name)
         return entry
 
-    def _boost(self, name: str, now: float, instances: int) -> Entry[T]:
+    def _boost(self, name: str) -> Entry[T]:
         """Take ``name``'s head out of its queue, boosted (module doc), beyond every limit."""
-        entry = self._head(name)
+        entry = self._dispatch(name)
         entry.boosted = True
-        share = min(1.0, self._config.classes[name].min_share * instances)
-        self._boosts.setdefault(name, _Boost()).send(now, share)
-        self._take_slot(name)
+        self._floors[name].in_flight += 1
         return entry
 
     def _head(self, name: str) -> Entry[T]:
@@ -427,52 +464,61 @@ class ClassQueues(Generic[T]):
         self._total_queued -= 1
         return entry
 
-    def _taken(self, name: str, now: float) -> None:
-        """A slot taken for a request of ``name`` that is not boosted."""
-        if not self._unboosted(name):
-            self._progress_at[name] = now  # its first unboosted one: the boost's clock starts
-        self._take_slot(name)
-
     def _take_slot(self, name: str) -> None:
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         self._total_in_flight += 1
 
     def _unboosted(self, name: str) -> int:
         """Requests of ``name`` in flight that the floor boost did not send."""
-        boost = self._boosts.get(name)
-        return self._in_flight.get(name, 0) - (boost.in_flight if boost is not None else 0)
+        floor = self._floors.get(name)
+        return self._in_flight.get(name, 0) - (floor.in_flight if floor is not None else 0)
 
-    def _starved(self, now: float, capacity: int) -> str | None:
-        """The class the floor boost dispatches next (module doc), or None: of those with
-        work queued that :meth:`_may_boost`, the one starved the longest."""
-        chosen: str | None = None
-        since = 0.0
+    def _floor_terms(self, name: str) -> tuple[float, float, float]:
+        """A floored class's rate (device-seconds owed per second), the debt at which it is
+        starved and the most it may owe (:class:`_Floor`)."""
+        rate = self._config.classes[name].min_share * self._instances * self._fleet_part
+        threshold = rate * self._starved_after
+        return rate, threshold, 2.0 * threshold
+
+    def _accrue(self, name: str, now: float) -> None:
+        """Bring a floored class's debt up to ``now``."""
+        rate, _, cap = self._floor_terms(name)
+        active = bool(self._queues[name]) or self._in_flight.get(name, 0) > 0
+        self._floors[name].accrue(now, active, rate, cap)
+
+    def _accrue_all(self, now: float) -> None:
         for name in self._floored:
-            at = self._progress_at.get(name, now)
-            if (
-                self._queues[name]
-                and (chosen is None or at < since)
-                and self._may_boost(name, now, capacity)
-            ):
-                chosen, since = name, at
+            self._accrue(name, now)
+
+    def _starved(self, capacity: int) -> str | None:
+        """The class the floor boost dispatches next (module doc), or None: of those with
+        work queued that :meth:`_may_boost`, the one furthest behind its share (debts brought
+        up to date by the caller)."""
+        chosen: str | None = None
+        behind = 0.0
+        for name in self._floored:
+            if self._queues[name] and self._may_boost(name, capacity):
+                rate = self._floor_terms(name)[0]
+                owed = self._floors[name].owed_s / rate
+                if chosen is None or owed > behind:
+                    chosen, behind = name, owed
         return chosen
 
-    def _may_boost(self, name: str, now: float, capacity: int) -> bool:
-        """``name`` has requests in flight that were not boosted and none of them answered
-        for ``starved_after_s``, and either a boost round is open with fewer sent than its
-        reservation (at least one), or the last round's rest is over (:class:`_Boost`).
-        Whether it has any queued is the caller's to check."""
+    def _may_boost(self, name: str, capacity: int) -> bool:
+        """``name`` has requests in flight that were not boosted, owes at least the
+        threshold (:class:`_Floor`; brought up to date by the caller), and has fewer boosted
+        requests in flight than would pay it (at most its reservation,
+        ``floor(min_share x capacity)``, at least one). Whether it has any queued is the
+        caller's to check."""
         if not self._unboosted(name):
             return False  # none stuck: its reservation dispatches it as usual
-        if now - self._progress_at.get(name, now) < self._starved_after:
+        floor = self._floors[name]
+        _, threshold, _ = self._floor_terms(name)
+        if floor.owed_s < threshold - _EPS:
             return False
-        boost = self._boosts.get(name)
-        if boost is None:
-            return True
-        if not boost.in_flight:
-            return now >= boost.rest_until
         share = self._config.classes[name].min_share
-        return boost.sent < max(1, math.floor(share * capacity + _EPS))
+        reservation = max(1, math.floor(share * capacity + _EPS))
+        return floor.in_flight < floor.wanted(floor.owed_s, reservation)
 
     def _held_at_or_above(self, name: str) -> int:
         """Requests in flight of the classes at least as important as ``name``."""
@@ -487,20 +533,29 @@ class ClassQueues(Generic[T]):
         )
 
     def release(
-        self, class_name: str, answered_at: float | None = None, *, boosted: bool = False
+        self,
+        class_name: str,
+        answered_at: float | None = None,
+        *,
+        boosted: bool = False,
+        served_s: float | None = None,
     ) -> None:
         """Give back a slot taken by :meth:`pop` for ``class_name``. ``answered_at``: when
         its request left the proxy's hands (None: it was never sent); ``boosted``: the entry
-        was (:attr:`Entry.boosted`). The gate cannot tell an answer from a client that gave
-        up or an error: any release of a sent request counts as progress for the floor
-        boost, which errs towards not boosting."""
+        was (:attr:`Entry.boosted`); ``served_s``: the device time its answer took, which
+        pays a floored class's debt (:class:`_Floor`). The gate cannot tell an answer from a
+        client that gave up or an error: a sent request released without ``served_s`` pays
+        the whole debt, which errs towards not boosting."""
         held = self._in_flight.get(class_name, 0)
         if held <= 0:
             raise RuntimeError(f"release of class {class_name!r} with nothing in flight")
-        if boosted:
-            self._boosts[class_name].release(answered_at)
-        elif answered_at is not None:
-            self._progress_at[class_name] = answered_at
+        floor = self._floors.get(class_name)
+        if floor is not None:
+            if answered_at is not None:
+                self._accrue(class_name, answered_at)
+                floor.pay(served_s)
+            if boosted:
+                floor.in_flight = max(0, floor.in_flight - 1)
         if held == 1 and class_name not in self._queues:
             del self._in_flight[class_name]  # a class dropped by reconfigure, now drained
         else:
@@ -544,6 +599,7 @@ class ClassQueues(Generic[T]):
         self._config = config
         self._top_rank = min(c.rank for c in config.classes.values())
         self._floored = config.boosted_classes()
+        self._floors = {name: self._floors.get(name) or _Floor() for name in self._floored}
         self._starved_after = config.starved_after_s or 0.0
 
     def _least_important_queued(self) -> str | None:

@@ -322,8 +322,9 @@ async def test_a_starved_class_keeps_its_floor_inside_tritons_priority_queue(
     """Issue 10 point 4 on real Triton servers: 64 real-time clients keep every sleeper's
     priority queue (batches of 8, 100 ms each) full of level-1 work, so Triton never starts
     the offline requests the proxy sends at level 3, however many slots offline holds.
-    ``boost``: after starved_after_s (1 s) without an answer to them, offline's next requests
-    go at real-time's level and complete all through the storm; the three stuck ones are
+    ``boost``: once offline owes starved_after_s (1 s) of its share of the fleet (0.2 x 3
+    servers of device time per second, paid back by its answers), its next requests go at
+    real-time's level and complete all through the storm; the three stuck ones are
     answered once it ends. ``no_boost``: the same storm with starved_after_s null, the premise:
     offline completes nothing until the storm ends."""
     watch = Watch()

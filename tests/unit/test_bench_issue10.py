@@ -20,6 +20,7 @@ from proxy.bench.arms import (
     FILL_SHIPPED_ARM,
     LANE_CONCURRENCY,
     LANE_DEPTH,
+    PLACED_DEFAULT_ARM,
     PRESETS,
     PREVIOUS_CONCURRENCY,
     SHALLOW_DEPTH,
@@ -882,7 +883,14 @@ def test_the_slot_sharing_arms_are_the_shared_default_with_another_count(sharing
         replace(arm, name=base.name, description=base.description, scheduling=base.scheduling)
         == base
     )
-    assert f"{SHARED_DEFAULT_ARM}+placed_by_rank" == CLASS_DEFAULT_ARM
+    assert f"{SHARED_DEFAULT_ARM}+placed_by_rank" == PLACED_DEFAULT_ARM
+
+
+@pytest.mark.parametrize("after", [1, 2, 3])
+def test_the_starved_arms_are_the_placed_default_with_another_floor_threshold(after: int) -> None:
+    base, arm = CATALOG[PLACED_DEFAULT_ARM], CATALOG[f"{PLACED_DEFAULT_ARM}+starved{after}"]
+    assert arm.scheduling == {**(base.scheduling or {}), "starved_after_s": float(after)}
+    assert f"{PLACED_DEFAULT_ARM}+starved2" == CLASS_DEFAULT_ARM
 
 
 def test_the_shipped_arm_counts_by_rank_and_its_placed_variant_only_in_placement() -> None:

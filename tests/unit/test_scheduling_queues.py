@@ -228,50 +228,110 @@ _HI_LO = {
 }
 
 
-def _starving(**section: Any) -> ClassQueues[str]:
-    """hi fills every slot but lo's reservation (3 of 10), lo holds its 3 in flight: stuck
-    behind hi inside Triton from t = 0, with more of both queued."""
+def _starving(
+    classes: dict[str, Any] | None = None, fleet_part: float = 1.0, **section: Any
+) -> ClassQueues[str]:
+    """hi fills every slot but lo's reservation (3 of 10 at min_share 0.3), lo holds its 3
+    in flight: stuck behind hi inside Triton from t = 0, with more of both queued."""
     section.setdefault("starved_after_s", 2.0)
-    q = make(_HI_LO, **section)
+    classes = classes or _HI_LO
+    section.setdefault("default_class", next(iter(classes)))
+    q: ClassQueues[str] = ClassQueues(load_scheduling({"classes": classes, **section}), fleet_part)
     for i in range(20):
         q.push(f"h{i}", "hi", 0.0)
         q.push(f"l{i}", "lo", 0.0)
     assert len(drain(q, 0.0, capacity=10)) == 10
-    assert q.in_flight("lo") == 3
     return q
 
 
-def test_a_starved_class_sends_its_reservation_boosted_beyond_every_slot() -> None:
+def test_a_starved_class_is_boosted_beyond_every_slot_until_its_debt_is_paid() -> None:
     q = _starving()
-    # Before starved_after_s (2 s here) nothing goes: every slot is taken.
+    # lo is owed min_share x instances = 0.3 device-seconds per second while it has work;
+    # nothing goes before the debt reaches starved_after_s (2 s) of that: 0.6 s at t = 2.
     assert q.pop(1.99, 10) is None
-    assert q.next_expiry(1.0) == pytest.approx(2.0)
-    # Then a round of lo's reservation (floor(0.3 x 10) = 3) goes boosted, whatever hi holds.
+    assert q.next_expiry(1.99) == pytest.approx(2.0)
+    # Its answers' device time unknown yet: its reservation (floor(0.3 x 10) = 3) goes
+    # boosted, whatever hi holds.
     boosted = [q.pop(2.0, 10) for _ in range(4)]
     assert [e.item if e else None for e in boosted] == ["l3", "l4", "l5", None]
     assert all(e is not None and e.boosted for e in boosted[:3])
     assert q.in_flight("lo") == 6 and q.in_flight() == 13
-    # The round sent its reservation: nothing more until all three are answered ...
-    q.release("lo", 2.5, boosted=True)
+    # Each answer pays its device time: 0.6 + 0.5 x 0.3 - 2 x 0.3 = 0.15 left, below the
+    # threshold, so nothing more goes; it is back at 0.6 after (0.6 - 0.15) / 0.3 = 1.5 s.
+    q.release("lo", 2.5, boosted=True, served_s=0.3)
+    q.release("lo", 2.5, boosted=True, served_s=0.3)
     assert q.pop(2.5, 10) is None
-    q.release("lo", 3.0, boosted=True)
-    q.release("lo", 3.0, boosted=True)
-    # ... and the rest after it: rounds take min_share x instances (0.3 x 1) of the time, so
-    # a round of 1 s rests 1 x (1 / 0.3 - 1) = 2.33 s. A boosted answer is not progress: lo
-    # is still starved.
-    assert q.next_expiry(3.0) == pytest.approx(3.0 + 1.0 * (1 / 0.3 - 1))
-    assert q.pop(5.3, 10) is None
-    again = q.pop(5.34, 10)
-    assert again is not None and again.item == "l6" and again.boosted
-    # An answer of one stuck inside (not boosted) is progress: no boost for another 2 s.
-    q.release("lo", 5.5, boosted=True)
-    q.release("lo", 5.5)
-    freed = q.pop(5.5, 10)  # its slot goes back to lo's reservation, not boosted
+    assert q.next_expiry(2.5) == pytest.approx(4.0)
+    assert q.pop(3.99, 10) is None
+    # Then as many go as pay the debt (0.6 / 0.3 s each = 2), the one still out included.
+    again = [q.pop(4.0, 10) for _ in range(2)]
+    assert again[0] is not None and again[0].item == "l6" and again[0].boosted
+    assert again[1] is None
+    # An answer whose device time is unknown pays it all; with the two boosted answered, a
+    # slot is free (7 of hi and 2 of lo in flight) and goes to lo's reservation, not boosted.
+    q.release("lo", 4.5, boosted=True, served_s=0.3)
+    q.release("lo", 4.5, boosted=True, served_s=0.3)
+    q.release("lo", 4.5)
+    freed = q.pop(4.5, 10)
     assert freed is not None and freed.class_name == "lo" and not freed.boosted
-    assert q.pop(7.49, 10) is None
-    assert q.next_expiry(6.0) == pytest.approx(7.5)
-    late = q.pop(7.5, 10)
-    assert late is not None and late.boosted
+    assert q.next_expiry(4.5) == pytest.approx(6.5)
+
+
+def test_a_class_starved_for_good_is_served_at_its_share() -> None:
+    # Nothing unboosted of lo is ever answered (stuck behind hi inside Triton); its boosted
+    # requests take 0.1 s of device each and are answered 0.4 s after they go. Over 60 s it
+    # gets its 0.3 device-seconds per second, less the threshold it waits for first.
+    q = _starving()
+    for i in range(20, 2000):
+        q.push(f"l{i}", "lo", 0.0)
+    out: list[float] = []  # when each boosted request in flight is answered
+    served = 0.0
+    now = 0.0
+    while now < 60.0:
+        for at in [t for t in out if t <= now]:
+            out.remove(at)
+            q.release("lo", at, boosted=True, served_s=0.1)
+            served += 0.1
+        while (entry := q.pop(now, 10)) is not None:
+            assert entry.boosted
+            out.append(now + 0.4)
+        now = round(now + 0.01, 2)
+    assert 0.3 * 60 - 0.6 - 0.3 <= served <= 0.3 * 60
+
+
+def test_one_worker_of_two_owes_half_the_floor() -> None:
+    # serve --workers 2: each worker's gate is owed its part of the class's share, so the
+    # two together boost the class's share, not twice it. Both start boosting after 2 s of
+    # it; once their answers' device time (0.3 s) is known, the next rounds pay 0.6 s and 0.3 s.
+    sent = []
+    for part in (1.0, 0.5):
+        q = _starving(fleet_part=part)
+        assert len(drain(q, 2.0, 10)) == 3  # the reservation: device time unknown yet
+        for _ in range(3):
+            q.release("lo", 2.0, boosted=True, served_s=0.3)
+        assert q.next_expiry(2.0) == pytest.approx(4.0)
+        sent.append(len(drain(q, 4.0, 10)))
+    assert sent == [2, 1]
+
+
+def test_a_long_outage_is_not_repaid_in_a_flood() -> None:
+    # The debt is held to twice the threshold (1.2 s here): after a minute stuck, what goes
+    # boosted pays 1.2 s of device, not 18.
+    q = _starving(classes={**_HI_LO, "lo": {**_HI_LO["lo"], "min_share": 0.5}})
+    first = q.pop(2.0, 10)  # owed 0.5 x 2 = 1.0: its reservation (5) goes, device time unknown
+    assert first is not None and first.boosted
+    while q.pop(2.0, 10) is not None:
+        pass
+    for _ in range(5):
+        q.release("lo", 2.0, boosted=True, served_s=0.2)
+    sent = 0
+    while (entry := q.pop(62.0, 10)) is not None:
+        assert entry.boosted
+        sent += 1
+    assert sent == 5  # ceil(min(2.0, 1.0 + 60 x 0.5) / 0.2) = 10, at most the reservation 5
+    for _ in range(5):
+        q.release("lo", 62.0, boosted=True, served_s=0.2)
+    assert q.pop(62.0, 10) is not None  # 2.0 - 1.0 paid: 1.0 still owed, at the threshold
 
 
 @pytest.mark.parametrize(
