@@ -353,11 +353,8 @@ async def test_a_model_is_saturated_once_a_batch_per_instance_is_in_flight_or_on
     gates.close()
 
 
-async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() -> None:
-    # The floor boost (SchedulingConfig.starved_after_s): lo's two requests in flight answer
-    # nothing while hi holds the other slots and both classes queue; once lo owes 2 s of its
-    # share (0.5 x 1 instance), its next two (its reservation, floor(0.5 x 4): the device
-    # time of its answers is not known yet) go at hi's Triton priority, beyond the slots.
+def _hi_lo_gates() -> tuple[FakeClock, ModelGates, RecordingObserver, ModelInfo]:
+    """One instance, 4 slots; lo (min_share 0.5) below hi, boosted once it owes 2 s."""
     clock = FakeClock()
     fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
     section = {
@@ -372,6 +369,15 @@ async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() 
     observer = RecordingObserver()
     gates = ModelGates(load_scheduling(section), fleet, clock, observer)
     info = ModelInfo(max_batch_size=4, priority_levels=2, model_instances=1, decoupled=False)
+    return clock, gates, observer, info
+
+
+async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() -> None:
+    # The floor boost (SchedulingConfig.starved_after_s): lo's two requests in flight answer
+    # nothing while hi holds the other slots and both classes queue; once lo owes 2 s of its
+    # share (0.5 x 1 instance), its next two (its reservation, floor(0.5 x 4): the device
+    # time of its answers is not known yet) go at hi's Triton priority, beyond the slots.
+    clock, gates, observer, info = _hi_lo_gates()
     hold = asyncio.Event()
     given: list[tuple[str, int | None]] = []
 
@@ -396,6 +402,44 @@ async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() 
     hold.set()
     await asyncio.gather(*tasks)
     assert gate.in_flight() == 0 and given[-1] == ("hi", 1)
+    gates.close()
+
+
+async def test_a_boosted_answer_pays_its_device_time_off_the_class_debt() -> None:
+    # As above, lo owes 1.0 s of device at t = 2 and two go boosted. Answered at 2.5 having
+    # taken 0.5 s each (ModelAdmission.served), they leave 1.0 + 0.25 - 1.0 = 0.25 owed: the
+    # next two (1.0 / 0.5 s each) go boosted only once the debt is back at 1.0, at t = 4.
+    clock, gates, observer, info = _hi_lo_gates()
+    answer = {name: asyncio.Event() for name in ("a", "b", "c", "d", "e", "f", "g", "h")}
+    given: list[tuple[str, int | None]] = []
+
+    async def request(name: str, cls: str) -> None:
+        admission = gates.admit("m", info, cls)
+        async with admission as priority:
+            given.append((name, priority))
+            await answer[name].wait()
+            admission.served(0.5)
+
+    classes = {"a": "lo", "b": "lo", "c": "hi", "d": "hi"} | dict.fromkeys("efgh", "lo")
+    tasks = [asyncio.create_task(request(n, c)) for n, c in classes.items()]
+
+    async def at(t: float) -> list[str]:
+        clock.advance(t - clock.now())
+        gates.poke()
+        await settle()
+        return [n for n, _ in given]
+
+    assert await at(0.0) == ["a", "b", "c", "d"]
+    assert await at(2.0) == ["a", "b", "c", "d", "e", "f"] and given[4:] == [("e", 1), ("f", 1)]
+    answer["e"].set()
+    answer["f"].set()
+    assert len(await at(2.5)) == 6  # 0.25 s owed
+    assert len(await at(3.9)) == 6
+    assert await at(4.0) == ["a", "b", "c", "d", "e", "f", "g", "h"]
+    assert given[6:] == [("g", 1), ("h", 1)] and observer.boosts == ["lo"] * 4
+    for event in answer.values():
+        event.set()
+    await asyncio.gather(*tasks)
     gates.close()
 
 
@@ -562,54 +606,3 @@ def test_placement_counts_slots_by_rank_per_model_as_its_gate_resolves_the_defau
     written.gate("fifo", fifo)
     assert written.slots_by_level("fifo")  # what the file says wins
     written.close()
-
-
-async def test_a_boosted_answer_pays_its_device_time_off_the_class_debt() -> None:
-    # As above, lo owes 1.0 s of device at t = 2 and two go boosted. Answered at 2.5 having
-    # taken 0.5 s each (ModelAdmission.served), they leave 1.0 + 0.25 - 1.0 = 0.25 owed: the
-    # next two (1.0 / 0.5 s each) go boosted only once the debt is back at 1.0, at t = 4.
-    clock = FakeClock()
-    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
-    section = {
-        "default_class": "lo",
-        "concurrency": 4,
-        "starved_after_s": 2.0,
-        "classes": {
-            "hi": {"rank": 0, "triton_priority": 1},
-            "lo": {"rank": 1, "triton_priority": 2, "min_share": 0.5},
-        },
-    }
-    observer = RecordingObserver()
-    gates = ModelGates(load_scheduling(section), fleet, clock, observer)
-    info = ModelInfo(max_batch_size=4, priority_levels=2, model_instances=1, decoupled=False)
-    answer = {name: asyncio.Event() for name in ("a", "b", "c", "d", "e", "f", "g", "h")}
-    given: list[tuple[str, int | None]] = []
-
-    async def request(name: str, cls: str) -> None:
-        admission = gates.admit("m", info, cls)
-        async with admission as priority:
-            given.append((name, priority))
-            await answer[name].wait()
-            admission.served(0.5)
-
-    classes = {"a": "lo", "b": "lo", "c": "hi", "d": "hi"} | dict.fromkeys("efgh", "lo")
-    tasks = [asyncio.create_task(request(n, c)) for n, c in classes.items()]
-
-    async def at(t: float) -> list[str]:
-        clock.advance(t - clock.now())
-        gates.poke()
-        await settle()
-        return [n for n, _ in given]
-
-    assert await at(0.0) == ["a", "b", "c", "d"]
-    assert await at(2.0) == ["a", "b", "c", "d", "e", "f"] and given[4:] == [("e", 1), ("f", 1)]
-    answer["e"].set()
-    answer["f"].set()
-    assert len(await at(2.5)) == 6  # 0.25 s owed
-    assert len(await at(3.9)) == 6
-    assert await at(4.0) == ["a", "b", "c", "d", "e", "f", "g", "h"]
-    assert given[6:] == [("g", 1), ("h", 1)] and observer.boosts == ["lo"] * 4
-    for event in answer.values():
-        event.set()
-    await asyncio.gather(*tasks)
-    gates.close()
