@@ -429,6 +429,12 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
         "with workers, the leader's factor as each worker applies it; 1 = not limited)",
         labels=["model", "class"],
     )
+    debt = GaugeMetricFamily(
+        "triton_proxy_class_floor_debt_seconds",
+        "Device-seconds of its min_share the floor boost counts the class as owed, by model "
+        "(scheduling.starved_after_s; it boosts from starved_after_s x min_share x instances)",
+        labels=["model", "class"],
+    )
     for model, gate in rt.gates.gates.items():
         info = rt.catalog.cached(model)
         if info is not None:
@@ -437,6 +443,9 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
             queued.add_metric([model, klass], gate.queued(klass))
             running.add_metric([model, klass], gate.in_flight(klass))
             scale.add_metric([model, klass], gate.share_scale(klass))
+            owed = gate.floor_debt(klass)
+            if owed is not None:
+                debt.add_metric([model, klass], owed)
     adaptive = GaugeMetricFamily(
         "triton_proxy_adaptive_concurrency",
         "Requests of the model the instance may hold, as adaptive concurrency set it",
@@ -454,7 +463,7 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     for klass, spec in classes.items():
         if spec.slo_p99_ms is not None:
             slo.add_metric([klass], spec.slo_p99_ms / 1000.0)
-    yield from (queued, running, capacity, scale, adaptive, slo)
+    yield from (queued, running, capacity, scale, debt, adaptive, slo)
 
 
 def control_metrics(loops: ControlLoops) -> Iterator[Metric]:

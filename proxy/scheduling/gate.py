@@ -287,6 +287,10 @@ class Gate:
         self._core.set_share_scale(class_name, factor)
         self.poke()
 
+    def floor_debt(self, class_name: str) -> float | None:
+        """Device-seconds the floor boost counts the class as owed (None: not floored)."""
+        return self._core.floor_debt(class_name)
+
     def share_scale(self, class_name: str) -> float:
         """The factor :meth:`set_share_scale` last set for the class (1: none)."""
         return self._core.share_scale(class_name)

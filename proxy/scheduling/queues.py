@@ -202,6 +202,12 @@ class ClassQueues(Generic[T]):
     def share_scale(self, class_name: str) -> float:
         return self._scale.get(class_name, 1.0)
 
+    def floor_debt(self, class_name: str) -> float | None:
+        """The device-seconds a floored class was owed when last brought up to date
+        (:class:`_Floor`); None: the floor boost does not lift it."""
+        floor = self._floors.get(class_name)
+        return floor.owed_s if floor is not None else None
+
     def _limit(self, name: str, capacity: int, instances: int, now: float) -> int:
         return self._config.classes[name].share_limit(
             capacity,

@@ -240,7 +240,11 @@ def test_the_floor_boost_counter_reads_zero_for_every_class_it_may_lift(
         },
     }
     telemetry = Telemetry()
-    Runtime(config_mod.parse(doc, "p"), FakeClock(), random.Random(0), telemetry)
+    rt = Runtime(config_mod.parse(doc, "p"), FakeClock(), random.Random(0), telemetry)
+    assert rt.gates is not None
+    info = ModelInfo(max_batch_size=4, priority_levels=3, model_instances=1, decoupled=False)
+    rt.gates.gate("m", info)  # a model's gate, made by its first request
+    telemetry.watch(lambda: rt)  # the live state, as the app exports it
     families = {f.name: f for f in text_string_to_metric_families(telemetry.exposition().decode())}
     samples = [
         (s.labels["class"], s.value)
@@ -248,3 +252,9 @@ def test_the_floor_boost_counter_reads_zero_for_every_class_it_may_lift(
         if s.name == "triton_proxy_boosted_total"
     ]
     assert samples == ([("online", 0.0)] if starved_after_s else [])
+    # ... and so does its debt (in device-seconds), per model
+    debts = [
+        (s.labels["model"], s.labels["class"], s.value)
+        for s in families["triton_proxy_class_floor_debt_seconds"].samples
+    ]
+    assert debts == ([("m", "online", 0.0)] if starved_after_s else [])

@@ -256,6 +256,7 @@ def test_a_starved_class_is_boosted_beyond_every_slot_until_its_debt_is_paid() -
     assert [e.item if e else None for e in boosted] == ["l3", "l4", "l5", None]
     assert all(e is not None and e.boosted for e in boosted[:3])
     assert q.in_flight("lo") == 6 and q.in_flight() == 13
+    assert q.floor_debt("lo") == pytest.approx(0.6) and q.floor_debt("hi") is None
     # Each answer pays its device time: 0.6 + 0.5 x 0.3 - 2 x 0.3 = 0.15 left, below the
     # threshold, so nothing more goes; it is back at 0.6 after (0.6 - 0.15) / 0.3 = 1.5 s.
     q.release("lo", 2.5, boosted=True, served_s=0.3)
