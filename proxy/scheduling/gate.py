@@ -287,6 +287,10 @@ class Gate:
         self._core.set_share_scale(class_name, factor)
         self.poke()
 
+    def set_fleet_part(self, part: float) -> None:
+        """The part of the fleet this gate's floors are owed (``ClassQueues(fleet_part=)``)."""
+        self._core.fleet_part = part
+
     def floor_debt(self, class_name: str) -> float | None:
         """Device-seconds the floor boost counts the class as owed (None: not floored)."""
         return self._core.floor_debt(class_name)

@@ -109,9 +109,24 @@ class ModelGates:
         self.gates: dict[str, Gate] = {}
         self._infos: dict[str, ModelInfo] = {}
         self.adaptive = self._new_adaptive(config)
-        self.share = 1.0
-        """Fraction of the dispatch slots these gates own (a canary arm's gates split them)."""
+        self._share = 1.0
         fleet.listeners.append(lambda _instance: self.poke())
+
+    @property
+    def share(self) -> float:
+        """Fraction of the dispatch slots these gates own (a canary arm's gates split them)."""
+        return self._share
+
+    @share.setter
+    def share(self, share: float) -> None:
+        self._share = share
+        for gate in self.gates.values():
+            gate.set_fleet_part(self._fleet_part())
+
+    def _fleet_part(self) -> float:
+        """The part of the fleet these gates' floors are owed: this arm's share of this
+        worker's part (``proxy.scheduling.queues._Floor``)."""
+        return self._share / self.workers
 
     @staticmethod
     def _new_adaptive(config: SchedulingConfig) -> AdaptiveConcurrency | None:
@@ -222,7 +237,7 @@ class ModelGates:
                 self.clock,
                 self.observer,
                 instances=lambda: len(self.fleet.serving(model)),
-                fleet_part=1.0 / self.workers,
+                fleet_part=self._fleet_part(),
             )
         return gate
 

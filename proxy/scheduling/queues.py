@@ -108,7 +108,7 @@ class _Floor:
 
     While the class has requests queued or in flight it is owed ``rate`` device-seconds per
     second, ``min_share x instances``: its share of the fleet, each instance counted as one
-    device (times ``fleet_part``, one worker's part with ``serve --workers``). Each answer
+    device (times ``fleet_part``: one worker's, one canary arm's part). Each answer
     pays back its request's device time (``served_s``: its share of a full batch by the
     model's learned cost curve, ``BatcherModel.share_s``). Nothing is owed while the class
     has nothing queued or in flight, and nothing is banked (an answer beyond the debt is no
@@ -170,10 +170,10 @@ class ClassQueues(Generic[T]):
     """Per-class FIFO queues with priority/aging or WRR dispatch, quotas and shedding."""
 
     def __init__(self, config: SchedulingConfig, fleet_part: float = 1.0) -> None:
-        """``fleet_part``: the part of the fleet's traffic this process gates (``1 / N`` of
-        one of ``serve --workers N``): a floored class is owed that part of its share."""
         self._config = config
-        self._fleet_part = fleet_part
+        self.fleet_part = fleet_part
+        """The part of the fleet's traffic this gate sees (``1 / N`` with ``serve --workers
+        N``, times a canary arm's share): a floored class is owed that part of its share."""
         self._queues: dict[str, OrderedDict[int, Entry[T]]] = {
             n: OrderedDict() for n in config.classes
         }
@@ -482,7 +482,7 @@ class ClassQueues(Generic[T]):
     def _floor_terms(self, name: str) -> tuple[float, float, float]:
         """A floored class's rate (device-seconds owed per second), the debt at which it is
         starved and the most it may owe (:class:`_Floor`)."""
-        rate = self._config.classes[name].min_share * self._instances * self._fleet_part
+        rate = self._config.classes[name].min_share * self._instances * self.fleet_part
         threshold = rate * self._starved_after
         return rate, threshold, 2.0 * threshold
 

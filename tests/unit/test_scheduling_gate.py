@@ -606,3 +606,19 @@ def test_placement_counts_slots_by_rank_per_model_as_its_gate_resolves_the_defau
     written.gate("fifo", fifo)
     assert written.slots_by_level("fifo")  # what the file says wins
     written.close()
+
+
+def test_a_gates_floors_are_owed_its_workers_and_arms_part_of_the_fleet() -> None:
+    # serve --workers 2 with a canary arm taking a quarter: the main arm's floors are owed
+    # 3/4 of 1/2 of each class's share, set on gates made before the split and after it.
+    clock = FakeClock()
+    fleet = Fleet((InstanceSpec("a", "http://127.0.0.1:1"),), HealthConfig(), clock)
+    section = {"default_class": "lo", "classes": {"hi": {"rank": 0}, "lo": {"rank": 1}}}
+    gates = ModelGates(load_scheduling(section), fleet, clock, RecordingObserver(), workers=2)
+    info = ModelInfo(max_batch_size=4, priority_levels=2, model_instances=1, decoupled=False)
+    before = gates.gate("m", info)
+    assert before._core.fleet_part == 0.5
+    gates.share = 0.75
+    after = gates.gate("n", info)
+    assert before._core.fleet_part == after._core.fleet_part == 0.375
+    gates.close()
