@@ -293,7 +293,7 @@ def queues() -> Dashboard:
                             "triton_proxy_queue_wait_seconds", "class", ("class",), (0.5, 0.99)
                         ),
                         unit="s",
-                        width=8,
+                        width=6,
                     ),
                     Panel(
                         "Requests queued in the proxy by class",
@@ -307,7 +307,7 @@ def queues() -> Dashboard:
                                 "{{class}}",
                             ),
                         ),
-                        width=8,
+                        width=6,
                     ),
                     Panel(
                         "Dispatched and running by class, and gate capacity",
@@ -325,8 +325,27 @@ def queues() -> Dashboard:
                                 "capacity",
                             ),
                         ),
-                        width=8,
+                        width=6,
                         dashed="capacity",
+                    ),
+                    Panel(
+                        "Floor debt by class (device-seconds owed)",
+                        (
+                            Target(
+                                agg(
+                                    "sum",
+                                    "class",
+                                    sel("triton_proxy_class_floor_debt_seconds", "model", "class"),
+                                ),
+                                "{{class}}",
+                            ),
+                        ),
+                        unit="s",
+                        width=6,
+                        description="The floor boost's account (scheduling.starved_after_s): "
+                        "device time a class with a min_share is owed at its share of the "
+                        "fleet, less what its answers took. It boosts once this reaches "
+                        "starved_after_s x min_share x instances; 0 while served at its share.",
                     ),
                 ),
             ),
