@@ -32,10 +32,11 @@ Every arm sends the same schedule to the same local Triton servers:
   ``+adaptive+reserve`` with one lane parameter more. :data:`SHARED_DEFAULT_ARM` was the
   class default of sessions 38-39; its ``+by_rank`` counts slots by rank, its
   ``+placed_by_rank`` only in placement (the gate's pool shared, :data:`PLACED_DEFAULT_ARM`,
-  session 40's default), whose ``+starved2`` (``+starved3``) starts the floor boost once a
-  class owes 2 s (3 s) of its share and is :data:`CLASS_DEFAULT_ARM`, the one whose routing
-  and scheduling a policy file with classes and no routing section gets today; its
-  ``+no_copy`` sends no doorbell copies (the redirect wake);
+  session 40's default), whose ``+starved1`` (``+starved2``, ``+starved3``) starts the floor
+  boost once a class owes 1 s (2 s, 3 s) of its share; ``+starved2`` is
+  :data:`CLASS_DEFAULT_ARM`, the one whose routing and scheduling a policy file with classes
+  and no routing section gets today; its ``+no_copy`` sends no doorbell copies (the redirect
+  wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);

@@ -17,8 +17,9 @@ path inside it. Omitting the section gives three classes::
                                         # rank in placement; null: placed_by_rank where the
                                         # model's routing packs long work and it has
                                         # priority levels, else shared
-      starved_after_s: 5.0              # a min_share class answered nothing for this long:
-                                        # its reservation goes at the top class's priority
+      starved_after_s: 2.0              # a min_share class owes this many seconds of its
+                                        # share of device time: its next requests go at the
+                                        # top class's priority, as many as pay the debt
       throughput_lane: true             # classes without an SLO, below one with it: a long
                                         # lane per model (SchedulingConfig.throughput_lane)
       class_header: x-triton-proxy-class
