@@ -40,7 +40,7 @@ from proxy.routing.config import RoutingConfig
 from proxy.routing.engine import Router
 from proxy.routing.occupancy import SAMPLE_S as OCCUPANCY_SAMPLE_S
 from proxy.routing.occupancy import FillRule, LongLoad, Occupancy, busy_shares, long_free
-from proxy.routing.wake import WakeParams, nudge_targets, quiet_instances, scraped_batch_s
+from proxy.routing.wake import nudge_targets, quiet_instances, scraped_batch_s
 from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.cost import CostOverride
@@ -311,20 +311,13 @@ class Runtime:
         return self.config.routing.wake.quiet_after_s(self.dispatcher.costs.seconds(model, cost))
 
     async def _find_quiet(self) -> None:
-        """Every ``routing.wake.scan_ms`` while the fleet holds requests in flight: which
-        instances are quiet (proxy.routing.wake). With nothing in flight nothing can be quiet,
-        so the scan waits for the next request instead of waking the event loop every few
-        milliseconds for nothing: an idle proxy with the class default (a scan every 3 ms)
-        spent 38-49 ms of CPU a second, 19 with the wake off (docs/benchmarks.md, session 42).
-        """
-        self._sync_wake(self.config.routing.wake)
+        """Every ``routing.wake.scan_ms``: which instances are quiet (proxy.routing.wake)."""
         while True:
-            if not self.fleet.flying:
-                self.fleet.quiet = {}
-                await self._takeoff()
             wake = self.config.routing.wake  # read per tick: a reload may change it
             await asyncio.sleep(wake.scan_ms / 1e3)
-            self._sync_wake(wake)
+            self.dispatcher.nudge = wake.enabled and wake.nudge
+            self.dispatcher.expired_copy = wake.enabled and wake.nudge and wake.expired_copy
+            self.dispatcher.real_copy = wake.real_copy
             if wake.enabled:
                 self.fleet.quiet = quiet_instances(
                     self.fleet.instances.values(),
@@ -337,22 +330,6 @@ class Runtime:
                     self._nudge()
             elif self.fleet.quiet:
                 self.fleet.quiet = {}
-
-    async def _takeoff(self) -> None:
-        """Until a request goes in flight on the fleet (``Fleet.on_takeoff``)."""
-        landed = asyncio.get_running_loop().create_future()
-        self.fleet.on_takeoff = lambda: None if landed.done() else landed.set_result(None)
-        try:
-            await landed
-        finally:
-            self.fleet.on_takeoff = None
-
-    def _sync_wake(self, wake: WakeParams) -> None:
-        """The dispatcher's copies follow ``routing.wake`` (each scan, and at once on a
-        reload: the scan may be waiting for the next request)."""
-        self.dispatcher.nudge = wake.enabled and wake.nudge
-        self.dispatcher.expired_copy = wake.enabled and wake.nudge and wake.expired_copy
-        self.dispatcher.real_copy = wake.real_copy
 
     def _nudge(self) -> None:
         """Send each quiet instance holding a short request a copy of it (routing.wake.nudge)."""
@@ -574,7 +551,6 @@ class Runtime:
         self.control.reconfigure(config.control, config.scheduling)
         self._set_canary(config)
         self.config = config
-        self._sync_wake(config.routing.wake)
         # Slot limits and shares may have changed without any instance changing: routing
         # views refresh every instance before their next decision.
         self.fleet.journal.reset()

@@ -274,9 +274,6 @@ class Tracked:
     def __enter__(self) -> None:
         instance, model, work = self._instance, self._model, self._work
         fleet = self._fleet
-        if not fleet.flying and fleet.on_takeoff is not None:
-            fleet.on_takeoff()
-        fleet.flying += 1
         instance.in_flight += 1
         for counter, key in self._counters:
             counter[key] = counter.get(key, 0) + 1
@@ -297,7 +294,6 @@ class Tracked:
 
     def __exit__(self, *exc: object) -> None:
         instance, model, work = self._instance, self._model, self._work
-        self._fleet.flying -= 1
         instance.in_flight -= 1
         for counter, key in self._counters:
             n = counter[key] - 1
@@ -337,12 +333,6 @@ class Fleet:
         self.quiet: dict[str, set[str]] = {}
         """model -> instances quiet for it (``proxy.routing.wake``; found by a periodic scan,
         left by the next send there or answer from there)."""
-        self.flying = 0
-        """Requests and streams in flight on the whole fleet (the tokens of :meth:`track`,
-        those of instances a reload removed included)."""
-        self.on_takeoff: Callable[[], None] | None = None
-        """Called when a request goes in flight on a fleet that had none: the quiet scan
-        waits for it, since nothing can be quiet with nothing in flight."""
         self.occupancy = Occupancy()
         """The smoothed share of each model's instances with work in flight
         (``proxy.routing.occupancy``; sampled by the runtime's periodic scan, read by

@@ -15,9 +15,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from proxy import config as config_mod
 from tests.fakes.triton import FakeFleet, Fault, default_models
-from tests.integration.harness import ProxyThread, policy_for
+from tests.integration.harness import ProxyThread
 from tests.middle.conftest import (
     ProxyFactory,
     grpc_inputs,
@@ -248,29 +247,3 @@ def test_without_real_copies_only_a_model_that_honours_timeouts_is_copied(
         assert t.is_alive() and not got, "a model that ignores timeouts was copied"
         assert nudges(proxy) == 0
         release()
-
-
-def test_the_quiet_scan_waits_while_nothing_is_in_flight(
-    proxy_on: ProxyFactory, fakes: FakeFleet
-) -> None:
-    """Nothing can be quiet with nothing in flight, so the scan does not wake the event loop
-    every ``scan_ms`` then (an idle proxy spent 38-49 ms of CPU a second on it with the
-    class default): it waits for the next request, scans while one is in flight, and a
-    reload reaches the dispatcher's copies while it waits."""
-    with proxy_on(policy(nudge=False)) as proxy:
-        fleet, dispatcher = proxy.runtime.fleet, proxy.runtime.dispatcher
-        warm(proxy)
-        wait_for(lambda: fleet.on_takeoff is not None, what="the scan waiting")
-        assert fleet.flying == 0 and fleet.quiet == {}
-        t, _, release = held_request(proxy, fakes, 0.3)
-        assert t.is_alive() and fleet.flying == 1
-        # Scanning again: the held request's instance goes quiet after 20 ms of silence.
-        assert fleet.on_takeoff is None
-        wait_for(lambda: any(fleet.quiet.values()), what="the held request's instance quiet")
-        release()
-        wait_for(lambda: fleet.on_takeoff is not None, what="the scan waiting again")
-        assert not dispatcher.nudge
-        doc = with_defaults(policy(nudge=True))
-        config = config_mod.parse(policy_for(fakes.servers, doc), "<test>")
-        proxy.call(proxy.runtime.apply(config))
-        assert dispatcher.nudge and fleet.on_takeoff is not None

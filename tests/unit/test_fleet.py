@@ -22,26 +22,6 @@ def test_track_releases_exactly_once_on_error() -> None:
     assert (inst.in_flight, inst.streams, dict(inst.model_in_flight)) == (0, 0, {})
 
 
-def test_takeoff_is_called_when_a_fleet_with_nothing_in_flight_sends_again() -> None:
-    """``Fleet.flying`` counts every token, streams and instances included; ``on_takeoff``
-    (the quiet scan's wake-up) runs only on the step from none in flight to one."""
-    fleet, _ = make()
-    took_off: list[int] = []
-    fleet.on_takeoff = lambda: took_off.append(fleet.flying)
-    a, b = fleet.get("i0"), fleet.get("i1")
-    with fleet.track(a, "m"):
-        with fleet.track(b, "m", stream=True), fleet.track(a, "n"):
-            assert fleet.flying == 3
-        assert fleet.flying == 1
-    assert (fleet.flying, took_off) == (0, [0])
-    with contextlib.suppress(RuntimeError), fleet.track(b, "m"):
-        raise RuntimeError
-    assert (fleet.flying, took_off) == (0, [0, 0])
-    fleet.on_takeoff = None
-    with fleet.track(a, "m"):
-        assert fleet.flying == 1
-
-
 def test_ejection_backoff_and_recovery() -> None:
     fleet, clock = make(backoff_initial_s=1, backoff_max_s=4)
     inst = fleet.get("i0")
