@@ -345,7 +345,8 @@ def queues() -> Dashboard:
                         description="The floor boost's account (scheduling.starved_after_s): "
                         "device time a class with a min_share is owed at its share of the "
                         "fleet, less what its answers took. It boosts once this reaches "
-                        "starved_after_s x min_share x instances; 0 while served at its share.",
+                        "starved_after_s x min_share x instances (per worker with serve "
+                        "--workers N: that / N); 0 while served at its share.",
                     ),
                 ),
             ),
