@@ -1,33 +1,82 @@
-"""Poll a bench proxy's /metrics for the fill, long load and occupancy while it runs."""
-import re, subprocess, sys, time, urllib.request
-out = open(sys.argv[1], "w")
-def pids():
-    r = subprocess.run(["pgrep", "-f", "proxy.cli serve --policy"], capture_output=True, text=True)
-    return [int(p) for p in r.stdout.split()]
-def ports(pid):
-    r = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True)
-    return sorted({int(m.group(1)) for line in r.stdout.splitlines() if f"pid={pid}," in line
-                   for m in [re.search(r"127\.0\.0\.1:(\d+)|\*:(\d+)|0\.0\.0\.0:(\d+)", line)] if m and m.group(1)})
-seen = set(); t_end = time.time() + float(sys.argv[2])
-while time.time() < t_end:
-    for pid in pids():
-        if pid in seen: continue
-        seen.add(pid); url = None
-        for _ in range(40):
-            for port in ports(pid):
-                try:
-                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
-                    if "triton_proxy_model_fill" in body: url = f"http://127.0.0.1:{port}/metrics"; break
-                except Exception: pass
-            if url: break
-            time.sleep(0.5)
-        print(f"# pid {pid} {url}", file=out, flush=True)
-        t0 = time.time()
-        while url and pid in pids():
+"""Poll each bench proxy's /metrics for accel_sim's fill, long load and occupancy gauges.
+
+Usage: python fill_watch.py OUT SECONDS, started beside ``triton-proxy bench``: each new
+``proxy.cli serve --policy`` process is found by its listening ports and read every 0.5 s
+until it exits (session 43, long_share.yaml x1.5, fill-watch.txt).
+"""
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+GAUGE = re.compile(
+    r'^triton_proxy_model_(fill|long_load|occupancy)\{model="accel_sim"\} (\S+)', re.MULTILINE
+)
+
+
+def proxies() -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-f", "proxy.cli serve --policy"], capture_output=True, text=True, check=False
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def ports(pid: int) -> list[int]:
+    sockets = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+    return sorted(
+        {
+            int(m.group(1))
+            for line in sockets.stdout.splitlines()
+            if f"pid={pid}," in line
+            for m in [re.search(r"127\.0\.0\.1:(\d+)", line)]
+            if m
+        }
+    )
+
+
+def read(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=1) as answer:
+        return answer.read().decode()
+
+
+def metrics_url(pid: int) -> str | None:
+    for _ in range(40):
+        for port in ports(pid):
+            url = f"http://127.0.0.1:{port}/metrics"
             try:
-                body = urllib.request.urlopen(url, timeout=1).read().decode()
-            except Exception: break
-            vals = {k: v for k, v in re.findall(r'^(triton_proxy_model_(?:fill|long_load|occupancy))\{model="accel_sim"\} (\S+)', body, re.M)}
-            print(f"{time.time()-t0:6.1f} " + " ".join(f"{k.split('_model_')[1]}={float(v):.2f}" for k, v in sorted(vals.items())), file=out, flush=True)
+                if "triton_proxy_model_fill" in read(url):
+                    return url
+            except OSError:
+                pass
+        time.sleep(0.5)
+    return None
+
+
+def main() -> None:
+    out_path, seconds = sys.argv[1], float(sys.argv[2])
+    seen: set[int] = set()
+    end = time.time() + seconds
+    with open(out_path, "w") as out:
+        while time.time() < end:
+            for pid in proxies():
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                url = metrics_url(pid)
+                print(f"# pid {pid} {url}", file=out, flush=True)
+                start = time.time()
+                while url and pid in proxies():
+                    try:
+                        body = read(url)
+                    except OSError:
+                        break
+                    values = " ".join(f"{k}={float(v):.2f}" for k, v in sorted(GAUGE.findall(body)))
+                    print(f"{time.time() - start:6.1f} {values}", file=out, flush=True)
+                    time.sleep(0.5)
             time.sleep(0.5)
-    time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()
