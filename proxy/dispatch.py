@@ -503,6 +503,7 @@ class Dispatcher:
                 "class_queued": backlog,
                 "batch": max(1, batch),
                 "occupancy": self.fleet.occupancy_for(call.model, cap is not None, arm.fill),
+                "busy": self.fleet.occupancy.get(call.model),
                 "free_of_long": self.fleet.long_free.get(call.model),
                 "rows": call.rows,
                 "batcher": batcher,

@@ -33,10 +33,11 @@ Every arm sends the same schedule to the same local Triton servers:
   class default of sessions 38-39; its ``+by_rank`` counts slots by rank, its
   ``+placed_by_rank`` only in placement (the gate's pool shared, :data:`PLACED_DEFAULT_ARM`,
   session 40's default), whose ``+starved1`` (``+starved2``, ``+starved3``) starts the floor
-  boost once a class owes 1 s (2 s, 3 s) of its share; ``+starved2`` is
-  :data:`CLASS_DEFAULT_ARM`, the one whose routing and scheduling a policy file with classes
-  and no routing section gets today; its ``+no_copy`` sends no doorbell copies (the redirect
-  wake);
+  boost once a class owes 1 s (2 s, 3 s) of its share (``+starved2``, sessions 41-43's
+  default); its ``+rspread`` keeps the long work the fill does not pack off the short
+  reserve too (``reserve_spread``): :data:`CLASS_DEFAULT_ARM`, the one whose routing and
+  scheduling a policy file with classes and no routing section gets today; ``+no_copy``
+  (of :data:`SHARED_DEFAULT_ARM`) sends no doorbell copies (the redirect wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
   derived from ``max_batch_size``; adaptive concurrency and deadline admission are opt-in);
@@ -215,10 +216,15 @@ PLACED_DEFAULT_ARM = f"{SHARED_DEFAULT_ARM}+placed_by_rank"
 """The class default of session 40: :data:`SHARED_DEFAULT_ARM` whose placement counts slots by
 rank (``slot_sharing`` left null resolves to ``placed_by_rank`` there since session 40)."""
 
-CLASS_DEFAULT_ARM = f"{PLACED_DEFAULT_ARM}+starved2"
+STARVED_DEFAULT_ARM = f"{PLACED_DEFAULT_ARM}+starved2"
+"""The class default of sessions 41-43: :data:`PLACED_DEFAULT_ARM` whose floor boost starts
+once a class owes 2 s of its share (``starved_after_s`` 2, the default since session 41)."""
+
+CLASS_DEFAULT_ARM = f"{STARVED_DEFAULT_ARM}+rspread"
 """The catalog arm that is today's class default (routing and scheduling; a unit test parses
-both and compares): :data:`PLACED_DEFAULT_ARM` whose floor boost starts once a class owes 2 s
-of its share (``starved_after_s`` 2, the default since session 41)."""
+both and compares): :data:`STARVED_DEFAULT_ARM` whose short reserve holds the long work the
+fill does not pack too (``expected_finish``'s ``reserve_spread``, the default since session
+44)."""
 
 SHIPPED_LANE_DEPTHS = (64,)
 """``lane_depth`` of the shipped arm's ``+depth<N>`` variants."""
@@ -239,9 +245,14 @@ FILL_SHIPPED_ARM = f"{RESERVE_ARM}+busy4+from5"
 """The arm ``policies/mixed-traffic.yaml`` was in sessions 38-39: :data:`RESERVE_ARM` with the
 class default's fill."""
 
-SHIPPED_ARM = f"{FILL_SHIPPED_ARM}+placed_by_rank"
-"""The arm ``policies/mixed-traffic.yaml`` is since session 40: :data:`FILL_SHIPPED_ARM`
-whose gate counts one pool of slots, placement by rank (a unit test compares the two)."""
+PLACED_SHIPPED_ARM = f"{FILL_SHIPPED_ARM}+placed_by_rank"
+"""The arm ``policies/mixed-traffic.yaml`` was in sessions 40-43: :data:`FILL_SHIPPED_ARM`
+whose gate counts one pool of slots, placement by rank."""
+
+SHIPPED_ARM = f"{PLACED_SHIPPED_ARM}+rspread"
+"""The arm ``policies/mixed-traffic.yaml`` is since session 44: :data:`PLACED_SHIPPED_ARM`
+whose short reserve holds the long work the fill does not pack too (``reserve_spread``; a
+unit test compares the two)."""
 
 CLASS_STARVED_AFTER = (1, 2, 3)
 """``starved_after_s`` of the class default's ``+starved<N>`` variants (session 41: the floor
@@ -968,6 +979,18 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for after in CLASS_STARVED_AFTER
     ]
+    # Session 44: the short reserve holds the long work the fill does not pack as well.
+    starved = next(p for p in plans if p.name == STARVED_DEFAULT_ARM)
+    plans.append(
+        _vary(
+            starved,
+            CLASS_DEFAULT_ARM,
+            f"{starved.name} whose short reserve (one instance kept free of long work) holds "
+            "online's long rows while the fill replays them instead of packing them "
+            "(expected_finish reserve_spread)",
+            reserve_spread=True,
+        )
+    )
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(
@@ -988,6 +1011,15 @@ def _catalog() -> dict[str, ArmPlan]:
         )
     )
     plans.append(_sharing(plans[-1], "placed_by_rank"))  # the shipped file's (session 40)
+    plans.append(  # the shipped file's (session 44)
+        _vary(
+            plans[-1],
+            SHIPPED_ARM,
+            f"{PLACED_SHIPPED_ARM} whose short reserve holds online's long rows while the "
+            "fill replays them (expected_finish reserve_spread)",
+            reserve_spread=True,
+        )
+    )
     at = plans.index(shallow) + 1
     plans[at:at] = [
         nudge,
@@ -1027,7 +1059,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
     # concurrency and deadline admission (twenty-ninth round), and the reserve of one
     # instance free of long work (thirty-third round), and the fill for online's long work
     # where it needs half an instance (thirty-eighth round), placement's slots by rank and
-    # the gate's shared (fortieth round; it is policies/mixed-traffic.yaml).
+    # the gate's shared (fortieth round), and the reserve holding the long rows the fill
+    # does not pack (forty-fourth round; it is policies/mixed-traffic.yaml).
     # The earlier rounds' arms stay in the catalog by name.
     "issue10": (
         "round_robin",

@@ -111,6 +111,9 @@ class RouteRequest:
     occupancy: float = 1.0
     """Smoothed share of the model's instances with work in flight, 0..1
     (``proxy.routing.occupancy``); 1.0 when not measured."""
+    busy: float = 1.0
+    """The model's busy share (``proxy.routing.occupancy``) whatever the arm's fill rule
+    (``occupancy`` may be the fill); 1.0 when not measured."""
     free_of_long: frozenset[str] | None = None
     """The instances serving the model with none of its long work in flight, as of the last
     scan (``proxy.routing.occupancy.long_free``); None when no long work is in flight or not

@@ -91,14 +91,22 @@ class RoutingConfig:
 
 CLASS_POLICY = PolicySpec(
     "expected_finish",
-    {"count_delays": True, "pack_above": 0.9, "pack_capped": "backlogged", "short_reserve": 1},
+    {
+        "count_delays": True,
+        "pack_above": 0.9,
+        "pack_capped": "backlogged",
+        "short_reserve": 1,
+        "reserve_spread": True,
+    },
 )
 """The routing policy when priority classes are on and the file names none: the placement
 issue 10's benchmark measured against round robin with Triton priorities and HAProxy
 (docs/benchmarks.md, issue 10; ``policies/mixed-traffic.yaml`` is the same with the
 throughput class's lane on top). ``short_reserve: 1`` since session 34 (the lane never takes
 the last instance free of long work; the bench arm ``proxy_classes_default+adaptive+reserve``,
-thirty-fourth round). Without classes the default stays :class:`PolicySpec`'s."""
+thirty-fourth round); ``reserve_spread`` since session 44 (the reserve holds the long work
+the fill does not pack too; the arm ``...+starved2+rspread``, forty-fourth round). Without
+classes the default stays :class:`PolicySpec`'s."""
 
 CLASS_WAKE = WakeParams(
     scan_ms=3.0,

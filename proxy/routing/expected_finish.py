@@ -77,6 +77,9 @@ class ExpectedFinishParams:
     since the thirty-fourth round, in the class default (``proxy.routing.config.CLASS_POLICY``);
     off (0) where a file names ``expected_finish`` without it."""
 
+    reserve_spread: bool = False
+    """With ``pack_above`` and ``short_reserve``: ``ExpectedStartParams.reserve_spread``."""
+
     def __post_init__(self) -> None:
         if self.pack_above is not None and not 0.0 <= self.pack_above <= 1.0:
             raise ValueError(f"pack_above must be within [0, 1] or null, got {self.pack_above}")
@@ -116,7 +119,7 @@ class ExpectedFinish:
     Reads ``flights``, ``answered_at``, ``model_in_flight``, ``weight`` and the request's
     ``batcher``, ``level``, ``rows``, ``cost`` and ``now`` (with ``pack_above`` also
     ``long``, ``occupancy``, ``class_cap``, ``class_in_flight`` and ``long_in_flight``; with
-    ``short_reserve`` the request's ``free_of_long``).
+    ``short_reserve`` the request's ``free_of_long``, with ``reserve_spread`` its ``busy``).
 
     Measured (docs/benchmarks.md, issue 10, twenty-first round): with classes and the
     nudge it beats the best baseline below capacity in ``long_share.yaml`` and ``case.yaml``
@@ -159,6 +162,7 @@ class ExpectedFinish:
                     pack_capped=params.pack_capped,
                     lane_depth=params.lane_depth,
                     short_reserve=params.short_reserve,
+                    reserve_spread=params.reserve_spread,
                 ),
                 rng,
             )

@@ -137,6 +137,19 @@ class ExpectedStartParams:
     repetition in three to five locked (docs/benchmarks.md, issue 10, thirty-ninth round).
     0 (the default): off."""
 
+    reserve_spread: bool = False
+    """With ``short_reserve`` and ``pack_above``: the reserve holds long work that is not
+    packed too. A long request of a class without ``max_per_instance`` whose occupancy (the
+    fill, with ``routing.occupancy_depth``) is below ``pack_above`` is placed by the
+    policy's own rule (the replay, or ``spread``) but kept off the last ``short_reserve``
+    instances free of long work while the model's busy share (``RouteRequest.busy``, the
+    share of instances with anything in flight) is at least ``pack_above``: the fleet is
+    busy, yet batches do not form deep enough for the fill to pack. Why: there the fill
+    spread online's 512-token rows over every instance, and real-time rode with them
+    (``long_share.yaml`` x1.5 on three servers: real-time's P99 97-108 ms against 34-39
+    with the lane, docs/benchmarks.md, issue 10, forty-third and forty-fourth rounds).
+    Kept off one instance, the spread rows leave real-time a batch of its own there."""
+
     def __post_init__(self) -> None:
         if self.short_reserve < 0:
             raise ValueError(f"short_reserve must be >= 0, got {self.short_reserve}")
@@ -206,7 +219,7 @@ class ExpectedStart:
 
     Reads ``ahead`` (falls back to ``model_in_flight``), ``above`` (``quiet_alone``),
     ``long_in_flight``, ``weight`` and the request's ``long`` and ``batch`` (with
-    ``short_reserve`` also its ``free_of_long``).
+    ``short_reserve`` also its ``free_of_long``, with ``reserve_spread`` its ``busy``).
 
     Source: the "shortest expected delay" rule of queueing theory (Whitt, *Deciding which queue
     to join*, 1986) applied to priority batch servers; the long-work separation follows the
@@ -246,18 +259,27 @@ class ExpectedStart:
         )
 
     def holds_short(self, request: RouteRequest) -> bool:
-        """Whether ``request``, packed long work, must keep off the instances free of long
-        work (``short_reserve``). A class with ``max_per_instance`` is held only while the
-        fleet is busy (its ``occupancy``, the busy share, at least ``pack_above``): when the
-        more important classes go idle its gate lends it the spare instances, and then the
-        busy share falls below that."""
+        """Whether ``request``, packed long work (with ``reserve_spread``, an uncapped class's
+        long work not packed as well), must keep off the instances free of long work
+        (``short_reserve``). A class with ``max_per_instance`` is held only while the fleet
+        is busy (its ``occupancy``, the busy share, at least ``pack_above``): when the more
+        important classes go idle its gate lends it the spare instances, and then the busy
+        share falls below that."""
         p = self.params
         free = request.free_of_long
         if not p.short_reserve or free is None or len(free) > p.short_reserve:
             return False
         if request.class_cap is not None and not self.busy(request):
             return False
-        return self.packs(request)
+        if self.packs(request):
+            return True
+        return (
+            p.reserve_spread
+            and request.long
+            and request.class_cap is None
+            and p.pack_above is not None
+            and request.busy >= p.pack_above
+        )
 
     def keep_off(self, request: RouteRequest) -> frozenset[str]:
         """With ``short_reserve``, a held request (:meth:`holds_short`) keeps off the instances

@@ -21,11 +21,13 @@ from proxy.bench.arms import (
     LANE_CONCURRENCY,
     LANE_DEPTH,
     PLACED_DEFAULT_ARM,
+    PLACED_SHIPPED_ARM,
     PRESETS,
     PREVIOUS_CONCURRENCY,
     SHALLOW_DEPTH,
     SHARED_DEFAULT_ARM,
     SHIPPED_ARM,
+    STARVED_DEFAULT_ARM,
     ArmPlan,
     parse_vm_rss_mib,
     proxy_policy,
@@ -459,7 +461,7 @@ def test_issue10_preset():
         "proxy_previous_best",
         "proxy_shallow_lane",
         "proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5"
-        "+placed_by_rank",
+        "+placed_by_rank+rspread",
     )
     plans = resolve_arms("issue10")
     assert bench_cli.baseline_arms(plans) == [
@@ -890,17 +892,27 @@ def test_the_slot_sharing_arms_are_the_shared_default_with_another_count(sharing
 def test_the_starved_arms_are_the_placed_default_with_another_floor_threshold(after: int) -> None:
     base, arm = CATALOG[PLACED_DEFAULT_ARM], CATALOG[f"{PLACED_DEFAULT_ARM}+starved{after}"]
     assert arm.scheduling == {**(base.scheduling or {}), "starved_after_s": float(after)}
-    assert f"{PLACED_DEFAULT_ARM}+starved2" == CLASS_DEFAULT_ARM
+    assert f"{PLACED_DEFAULT_ARM}+starved2+rspread" == CLASS_DEFAULT_ARM
 
 
 def test_the_shipped_arm_counts_by_rank_and_its_placed_variant_only_in_placement() -> None:
-    shipped, placed = CATALOG[FILL_SHIPPED_ARM], CATALOG[SHIPPED_ARM]
+    shipped, placed = CATALOG[FILL_SHIPPED_ARM], CATALOG[PLACED_SHIPPED_ARM]
     assert placed.name == f"{FILL_SHIPPED_ARM}+placed_by_rank"
     assert shipped.scheduling is not None and shipped.scheduling["slot_sharing"] == "by_rank"
     assert placed.scheduling == {**shipped.scheduling, "slot_sharing": "placed_by_rank"}
     assert replace(placed, name=shipped.name, description=shipped.description) == replace(
         shipped, scheduling=placed.scheduling
     )
+
+
+def test_the_rspread_arms_add_reserve_spread_and_nothing_else() -> None:
+    for base, arm in ((STARVED_DEFAULT_ARM, CLASS_DEFAULT_ARM), (PLACED_SHIPPED_ARM, SHIPPED_ARM)):
+        before, after = CATALOG[base], CATALOG[arm]
+        assert after.name == f"{base}+rspread"
+        assert after.policy_params == {**(before.policy_params or {}), "reserve_spread": True}
+        assert replace(after, name=base, description=before.description) == replace(
+            before, policy_params=after.policy_params
+        )
 
 
 def test_the_no_copy_arm_is_the_shared_default_with_the_redirect_wake() -> None:

@@ -31,7 +31,7 @@ def test_policies_exist() -> None:
 def test_the_mixed_traffic_policy_is_the_measured_arm() -> None:
     # policies/mixed-traffic.yaml says it is issue 10's
     # `proxy_expected_finish+lane+pack90+backlog+expired+ring+adaptive+late+reserve+busy4+from5`
-    # `+placed_by_rank`:
+    # `+placed_by_rank+rspread`:
     # the same routing and scheduling (API keys aside) as that arm on case.yaml's classes.
     from proxy.bench.arms import SHIPPED_ARM, proxy_policy, resolve_arms
     from proxy.bench.scenario import load_scenario

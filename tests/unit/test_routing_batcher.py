@@ -244,6 +244,36 @@ def test_short_reserve_keeps_the_last_short_instance_free_of_long_work() -> None
         build_policy("expected_finish", {"pack_above": 0.9, "short_reserve": -1}, random.Random(0))
 
 
+def test_reserve_spread_holds_long_work_the_fill_does_not_pack() -> None:
+    # The fill (occupancy 0.5) is below pack_above, so online's long row is replayed, not
+    # packed; the fleet is busy (busy share 0.95) and c is the last instance free of long
+    # work. With reserve_spread the reserve keeps the row off c all the same; without it,
+    # or with the fleet not busy, or two instances free, nothing is kept off.
+    online_long = replace(
+        request(Job(2, 1, 512.0)),
+        long=True,
+        occupancy=0.5,
+        busy=0.95,
+        batch=16,
+        free_of_long=frozenset({"c"}),
+    )
+    params = {"pack_above": 0.9, "short_reserve": 1}
+    plain = build_policy("expected_finish", params, random.Random(0))
+    spread = build_policy("expected_finish", {**params, "reserve_spread": True}, random.Random(0))
+    assert plain.keep_off(online_long) == frozenset()
+    assert spread.keep_off(online_long) == frozenset({"c"})
+    assert spread.keep_off(replace(online_long, busy=0.5)) == frozenset()
+    assert spread.keep_off(replace(online_long, free_of_long=frozenset({"c", "d"}))) == frozenset()
+    # short work, and a capped class below pack_above, are never held by it
+    assert spread.keep_off(replace(online_long, long=False)) == frozenset()
+    assert spread.keep_off(replace(online_long, class_cap=8, busy=0.95)) == frozenset()
+    # needs the reserve: without short_reserve there is nothing to keep
+    alone = build_policy(
+        "expected_finish", {"pack_above": 0.9, "reserve_spread": True}, random.Random(0)
+    )
+    assert alone.keep_off(online_long) == frozenset()
+
+
 def test_pack_capped_always_packs_the_capped_class_at_any_occupancy() -> None:
     offline = (NOW - 0.001, work(3, 512, rows=4))
     a = replace(candidate("a", [offline], NOW - 0.01), class_in_flight=1, long_in_flight=1)

@@ -210,6 +210,7 @@ def test_route_request_fast_is_the_same_request():
         "class_queued": 3,
         "batch": 8,
         "occupancy": 0.5,
+        "busy": 0.9,
         "free_of_long": frozenset({"t1"}),
         "rows": 2,
         "batcher": BatcherModel(16, 0.002, 0.005, 2e-5),

@@ -499,3 +499,38 @@ def test_a_held_long_request_keeps_off_the_reserved_instance_before_the_slot_fil
                 linear = oracle.place_linear(request, w.placement(oracle), exclude)
                 assert got is not None and linear is not None
                 assert got.name == linear.name and got.name in want, (reserve, exclude, got.name)
+
+
+def test_reserve_spread_keeps_a_replayed_long_row_off_the_reserved_instance() -> None:
+    """As above with the lane not packing (its fill, ``occupancy``, below ``pack_above``) on
+    a busy fleet: ``expected_finish`` replays the long row, which would go to t2 (the lane's
+    instances are at their slot limit); with ``reserve_spread`` it is kept off t2 there too,
+    on both paths."""
+    with world(5, 3) as w:
+        stack = contextlib.ExitStack()
+        long_online = Work(class_name="on", level=2, long=True, cost=512.0)
+        for name in ("t0", "t1"):
+            for _ in range(4):
+                stack.enter_context(w.fleet.track(w.fleet.get(name), "m", work=long_online))
+        stack.enter_context(w.fleet.track(w.fleet.get("t2"), "m", work=Work(class_name="on")))
+        w.limits = {(n, "m"): 4 for n in ("t0", "t1", "t2")}
+        w.fleet.journal.reset()
+        request = RouteRequest(
+            model="m",
+            class_name="on",
+            level=2,
+            long=True,
+            batch=4,
+            occupancy=0.3,
+            busy=1.0,
+            free_of_long=frozenset({"t2"}),
+            cost=512.0,
+        )
+        with stack:
+            for spread, want in ((False, {"t2"}), (True, {"t0", "t1"})):
+                params = {"pack_above": 0.9, "short_reserve": 1, "reserve_spread": spread}
+                oracle, fast = routers("expected_finish", w.clock, 5, False, params)
+                got = fast.place(request, w.placement(fast))
+                linear = oracle.place_linear(request, w.placement(oracle))
+                assert got is not None and linear is not None
+                assert got.name == linear.name and got.name in want, (spread, got.name)
