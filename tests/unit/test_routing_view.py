@@ -458,15 +458,13 @@ def test_expected_finish_decides_as_the_linear_path(seed: int, params: dict[str,
     compare("expected_finish", seed, n=12, steps=300, filters=True, feedback=True, params=params)
 
 
-@pytest.mark.parametrize("policy", ["expected_start", "expected_finish"])
-def test_a_held_long_request_keeps_off_the_reserved_instance_before_the_slot_filter(
-    policy: str,
+def _lane_at_its_limit(
+    policy: str, cases: list[tuple[dict[str, Any], frozenset[str], set[str]]], **request: Any
 ) -> None:
-    """The lane's two instances (t0, t1) are at their slot limit; t2, the last free of long
-    work, has free slots. The slot filter alone leaves only t2, so without a reserve the long
-    row opens it; with ``short_reserve: 1`` it is kept off t2 before the filter and joins the
-    lane past its limit (both paths), unless a retry has excluded the lane."""
-    params = {"long_placement": "pack"} if policy == "expected_start" else {"pack_above": 0.5}
+    """The lane's two instances (t0, t1) hold four long rows each, at their slot limit of 4;
+    t2, the last instance free of long work, holds one short request. For each case
+    ``(params, exclude, want)`` both paths place a long online row (``RouteRequest`` fields
+    ``request`` on top) in ``want``."""
     with world(5, 3) as w:
         stack = contextlib.ExitStack()
         long_online = Work(class_name="on", level=2, long=True, cost=512.0)
@@ -476,29 +474,42 @@ def test_a_held_long_request_keeps_off_the_reserved_instance_before_the_slot_fil
         stack.enter_context(w.fleet.track(w.fleet.get("t2"), "m", work=Work(class_name="on")))
         w.limits = {(n, "m"): 4 for n in ("t0", "t1", "t2")}
         w.fleet.journal.reset()
-        request = RouteRequest(
+        row = RouteRequest(
             model="m",
             class_name="on",
             level=2,
             long=True,
             batch=4,
-            occupancy=0.9,
             free_of_long=frozenset({"t2"}),
             cost=512.0,
+            **request,
         )
         with stack:
-            for reserve, exclude, want in (
-                (0, frozenset(), {"t2"}),
-                (1, frozenset(), {"t0", "t1"}),
-                (1, frozenset({"t0", "t1"}), {"t2"}),  # nothing else serves: back to t2
-            ):
-                oracle, fast = routers(
-                    policy, w.clock, 5, False, {**params, "short_reserve": reserve}
-                )
-                got = fast.place(request, w.placement(fast), exclude)
-                linear = oracle.place_linear(request, w.placement(oracle), exclude)
+            for params, exclude, want in cases:
+                oracle, fast = routers(policy, w.clock, 5, False, params)
+                got = fast.place(row, w.placement(fast), exclude)
+                linear = oracle.place_linear(row, w.placement(oracle), exclude)
                 assert got is not None and linear is not None
-                assert got.name == linear.name and got.name in want, (reserve, exclude, got.name)
+                assert got.name == linear.name and got.name in want, (params, exclude, got.name)
+
+
+@pytest.mark.parametrize("policy", ["expected_start", "expected_finish"])
+def test_a_held_long_request_keeps_off_the_reserved_instance_before_the_slot_filter(
+    policy: str,
+) -> None:
+    """The slot filter alone leaves only t2 (:func:`_lane_at_its_limit`), so without a
+    reserve the long row opens it; with ``short_reserve: 1`` it is kept off t2 before the
+    filter and joins the lane past its limit (both paths), unless a retry has excluded the
+    lane."""
+    params = {"long_placement": "pack"} if policy == "expected_start" else {"pack_above": 0.5}
+    none: frozenset[str] = frozenset()
+    lane = frozenset({"t0", "t1"})
+    cases = [
+        ({**params, "short_reserve": 0}, none, {"t2"}),
+        ({**params, "short_reserve": 1}, none, {"t0", "t1"}),
+        ({**params, "short_reserve": 1}, lane, {"t2"}),  # nothing else serves: back to t2
+    ]
+    _lane_at_its_limit(policy, cases, occupancy=0.9)
 
 
 def test_reserve_spread_keeps_a_replayed_long_row_off_the_reserved_instance() -> None:
@@ -506,31 +517,10 @@ def test_reserve_spread_keeps_a_replayed_long_row_off_the_reserved_instance() ->
     a busy fleet: ``expected_finish`` replays the long row, which would go to t2 (the lane's
     instances are at their slot limit); with ``reserve_spread`` it is kept off t2 there too,
     on both paths."""
-    with world(5, 3) as w:
-        stack = contextlib.ExitStack()
-        long_online = Work(class_name="on", level=2, long=True, cost=512.0)
-        for name in ("t0", "t1"):
-            for _ in range(4):
-                stack.enter_context(w.fleet.track(w.fleet.get(name), "m", work=long_online))
-        stack.enter_context(w.fleet.track(w.fleet.get("t2"), "m", work=Work(class_name="on")))
-        w.limits = {(n, "m"): 4 for n in ("t0", "t1", "t2")}
-        w.fleet.journal.reset()
-        request = RouteRequest(
-            model="m",
-            class_name="on",
-            level=2,
-            long=True,
-            batch=4,
-            occupancy=0.3,
-            busy=1.0,
-            free_of_long=frozenset({"t2"}),
-            cost=512.0,
-        )
-        with stack:
-            for spread, want in ((False, {"t2"}), (True, {"t0", "t1"})):
-                params = {"pack_above": 0.9, "short_reserve": 1, "reserve_spread": spread}
-                oracle, fast = routers("expected_finish", w.clock, 5, False, params)
-                got = fast.place(request, w.placement(fast))
-                linear = oracle.place_linear(request, w.placement(oracle))
-                assert got is not None and linear is not None
-                assert got.name == linear.name and got.name in want, (spread, got.name)
+    params = {"pack_above": 0.9, "short_reserve": 1}
+    none: frozenset[str] = frozenset()
+    cases = [
+        ({**params, "reserve_spread": False}, none, {"t2"}),
+        ({**params, "reserve_spread": True}, none, {"t0", "t1"}),
+    ]
+    _lane_at_its_limit("expected_finish", cases, occupancy=0.3, busy=1.0)
