@@ -148,7 +148,15 @@ class ExpectedStartParams:
     spread online's 512-token rows over every instance, and real-time rode with them
     (``long_share.yaml`` x1.5 on three servers: real-time's P99 97-108 ms against 34-39
     with the lane, docs/benchmarks.md, issue 10, forty-third and forty-fourth rounds).
-    Kept off one instance, the spread rows leave real-time a batch of its own there."""
+    Kept off one instance, the spread rows leave real-time a batch of its own there.
+    Measured (forty-fourth round, 3 repetitions per run): real-time's P99 there 61.7 / 63.4
+    ms against 83.8 / 103.4 in two runs (the shipped file's 72.6 against 159.6), online
+    0.76-0.93x; at ``online_burst.yaml`` x1.5 67.6 against 111.7; level in thirteen other
+    cells of seven scenarios and six servers, except that one repetition of
+    ``online_burst.yaml`` x1 doubled online's P99 (within its SLO: a burst's long rows,
+    held off the reserve, queued deep on the others). It never acts where the fill does
+    not decide: there a long request is not packed only while the busy share is below
+    ``pack_above``. Off by default; on in the class default."""
 
     def __post_init__(self) -> None:
         if self.short_reserve < 0:
