@@ -299,6 +299,26 @@ def test_theil_sen_ignores_a_few_points_far_off() -> None:
     assert theil_sen([(1.0, 5.0), (2.0, 3.0), (3.0, 1.0)]) == (3.0, 0.0)  # never falls
 
 
+def test_a_batch_of_nearly_the_same_size_does_not_seed_a_slope() -> None:
+    # CI's seed (sessions 38 and 44): one batch of 15 rows (7,500 units) among nine of 16
+    # (8,000), timed with the noise of a busy machine. Pairs that close are one size to
+    # Theil-Sen: a flat seed, which the fit then corrects from the 48,000-unit batches.
+    from proxy.scheduling.cost import theil_sen
+
+    seed = [(7500.0, 0.0063), (8000.0, 0.0194), (8000.0, 0.0242), (8000.0, 0.0294)]
+    seed += [(8000.0, 0.0237), (8000.0, 0.0254), (8000.0, 0.0210), (8000.0, 0.0221)]
+    seed += [(8000.0, 0.0199), (8000.0, 0.0230)]
+    assert theil_sen(seed)[1] == 0.0
+    model = CostModel()
+    for cost, seconds in seed:
+        model.observe_batch("m", cost, seconds)
+    for _ in range(12):
+        model.observe_batch("m", 48000.0, 0.005 + 2e-6 * 48000.0)
+        model.observe_batch("m", 8000.0, 0.005 + 2e-6 * 8000.0)
+    base, per_unit = model.curve("m") or (0.0, 0.0)
+    assert 1.5e-6 <= per_unit <= 2.6e-6, (base, per_unit)
+
+
 def test_a_curve_far_too_low_still_climbs_to_the_truth() -> None:
     model = CostModel()
     for _ in range(20):
