@@ -158,9 +158,10 @@ PAIR_SPREAD = 0.25
 """:func:`theil_sen` takes a slope only from two points whose ``x`` differ by more than this
 share of the larger: closer sizes are one size to it. Why: a batch of 15 rows (7,500 units)
 among nine of 16 (8,000) gave slopes of 2.6-4.6e-5 s per unit from the timing noise alone,
-15-20x accel_sim's 2e-6; seeded so, the clipped fit never came back within the next hundred
-batches (CI, sessions 38 and 44: ``test_the_cost_curve_is_learned_from_back_to_back_batches``
-learned ``(0.178, 0.0)``)."""
+15-20x accel_sim's 2e-6; seeded so, the clipped fit never came back within the test's two
+dozen batches (CI, session 44: ``test_the_cost_curve_is_learned_from_back_to_back_batches``
+learned ``(0.178, 0.0)``; the same test failed in session 38 at a slope of 1.46e-6, put
+down to a stall then)."""
 
 
 def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -300,7 +300,7 @@ def test_theil_sen_ignores_a_few_points_far_off() -> None:
 
 
 def test_a_batch_of_nearly_the_same_size_does_not_seed_a_slope() -> None:
-    # CI's seed (sessions 38 and 44): one batch of 15 rows (7,500 units) among nine of 16
+    # CI's seed (session 44): one batch of 15 rows (7,500 units) among nine of 16
     # (8,000), timed with the noise of a busy machine. Pairs that close are one size to
     # Theil-Sen: a flat seed, which the fit then corrects from the 48,000-unit batches.
     from proxy.scheduling.cost import theil_sen
