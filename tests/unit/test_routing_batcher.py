@@ -396,6 +396,30 @@ def test_the_replay_matches_its_first_form_on_random_queues(seed: int) -> None:
         )
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_request_to_an_idle_instance_ends_where_the_replay_ends_it(seed: int) -> None:
+    # ``finish`` and ``with_and_without`` skip the replay when nothing is in flight: the
+    # closed form must agree with the first form to the bit.
+    rng = random.Random(seed)
+    now = 100.0
+    for _ in range(300):
+        b = BatcherModel(
+            max_batch=rng.choice([1, 4, 16, 32]),
+            delay_s=rng.choice([0.0, 0.0005, 0.002]),
+            base_s=rng.uniform(0.0, 0.01),
+            per_unit_s=rng.uniform(1e-6, 5e-5),
+            default_level=rng.randint(0, 3),
+            overrun_s=rng.choice([0.0, 0.001]),
+        )
+        new = work(rng.randint(0, 4), rng.choice([0, 1, rng.randint(1, 600)]), rng.randint(0, 40))
+        since = rng.choice([float("-inf"), now - 0.05, now - 0.001, now, now + 0.0005, now + 0.01])
+        expected = reference_replay(b, [(now, new)], since, now, None)
+        ((_, want),) = expected.items()
+        assert b.finish([], since, now, new) == want
+        before, after, end = b.with_and_without([], since, now, new)
+        assert (before, list(after.values()), end) == ({}, [want], want)
+
+
 def test_a_new_request_is_replayed_after_every_flight_even_one_that_read_the_clock_later() -> None:
     # The flight was sent 1 ms after the decision read its clock: the new request, sent
     # after it, is replayed as sent then, so it cannot overtake the flight in its level.
