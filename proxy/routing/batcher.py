@@ -160,25 +160,28 @@ class BatcherModel:
             return out
         max_batch, delay, default = self.max_batch, self.delay_s, self.default_level
         sents = [sent for sent, _ in arrivals]
-        rows_of = [w.rows for _, w in arrivals]
+        works = [w for _, w in arrivals]
+        rows_of = [w.rows for w in works]
         # The length a batch is padded to by each request (``cost / max(1, rows)``).
-        units = [w.cost / r if (r := w.rows) > 1 else w.cost for _, w in arrivals]
-        queues: dict[int, list[int]] = {}
-        for k, (_, w) in enumerate(arrivals):
-            level = w.level
-            rank = level if level > 0 else default
-            queue = queues.get(rank)
-            if queue is None:
-                queues[rank] = [k]
-            else:
-                queue.append(k)
-        ranked = [queues[rank] for rank in sorted(queues)]
+        units = [w.cost / r if (r := w.rows) > 1 else w.cost for w in works]
+        ranks = [level if (level := w.level) > 0 else default for w in works]
+        if ranks.count(ranks[0]) == count:  # one level (a model without classes): one queue
+            ranked = [list(range(count))]
+        else:
+            queues: dict[int, list[int]] = {}
+            for k, rank in enumerate(ranks):
+                queue = queues.get(rank)
+                if queue is None:
+                    queues[rank] = [k]
+                else:
+                    queue.append(k)
+            ranked = [queues[rank] for rank in sorted(queues)]
         heads = [0] * len(ranked)
         batched = bytearray(count)
         last = -1
         if until is not None:
             last = count - 1 if arrivals[-1] is until else arrivals.index(until)
-        t = since if since > float("-inf") else sents[0]
+        t = since if since > _NEVER else sents[0]
         queued = queued_rows = 0
         oldest = 0  # the first arrival not yet batched
         i = 0
@@ -240,6 +243,7 @@ class BatcherModel:
         return out
 
 
+_NEVER = float("-inf")
 _sent = itemgetter(0)
 """A flight's sending time (the sort key of a replay's arrivals)."""
 

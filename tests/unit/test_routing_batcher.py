@@ -373,19 +373,21 @@ def test_the_replay_matches_its_first_form_on_random_queues(seed: int) -> None:
             overrun_s=rng.choice([0.0, 0.001]),
         )
         now = 100.0
+        # One level for every request (a model without classes) as often as several.
+        levels = rng.choice([[0], [2], [0, 1, 2, 3, 4]])
         # Sending times on a 0.5 ms grid: ties are common, as for requests sent in one burst.
         flights = sorted(
             (
                 (
                     now - rng.randint(0, 60) * 0.0005,
-                    work(rng.randint(0, 4), rng.randint(1, 600), rng.randint(1, 40)),
+                    work(rng.choice(levels), rng.randint(1, 600), rng.randint(1, 40)),
                 )
                 for _ in range(rng.randint(0, 40))
             ),
             key=lambda f: f[0],
         )
         since = rng.choice([float("-inf"), now - 0.05, now - 0.003, now])
-        new = (now, work(rng.randint(0, 4), rng.randint(1, 600)))
+        new = (now, work(rng.choice(levels), rng.randint(1, 600)))
         arrivals = [*flights, new]
         for until in (new, None):
             assert b._replay(list(arrivals), since, now, until) == reference_replay(
