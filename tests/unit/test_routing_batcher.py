@@ -360,18 +360,22 @@ def reference_replay(
     return out
 
 
+def random_batcher(rng: random.Random) -> BatcherModel:
+    return BatcherModel(
+        max_batch=rng.choice([1, 4, 16, 32]),
+        delay_s=rng.choice([0.0, 0.0005, 0.002]),
+        base_s=rng.uniform(0.0, 0.01),
+        per_unit_s=rng.uniform(1e-6, 5e-5),
+        default_level=rng.randint(0, 3),
+        overrun_s=rng.choice([0.0, 0.001]),
+    )
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_replay_matches_its_first_form_on_random_queues(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(150):
-        b = BatcherModel(
-            max_batch=rng.choice([1, 4, 16, 32]),
-            delay_s=rng.choice([0.0, 0.0005, 0.002]),
-            base_s=rng.uniform(0.0, 0.01),
-            per_unit_s=rng.uniform(1e-6, 5e-5),
-            default_level=rng.randint(0, 3),
-            overrun_s=rng.choice([0.0, 0.001]),
-        )
+        b = random_batcher(rng)
         now = 100.0
         # One level for every request (a model without classes) as often as several.
         levels = rng.choice([[0], [2], [0, 1, 2, 3, 4]])
@@ -405,14 +409,7 @@ def test_a_request_to_an_idle_instance_ends_where_the_replay_ends_it(seed: int) 
     rng = random.Random(seed)
     now = 100.0
     for _ in range(300):
-        b = BatcherModel(
-            max_batch=rng.choice([1, 4, 16, 32]),
-            delay_s=rng.choice([0.0, 0.0005, 0.002]),
-            base_s=rng.uniform(0.0, 0.01),
-            per_unit_s=rng.uniform(1e-6, 5e-5),
-            default_level=rng.randint(0, 3),
-            overrun_s=rng.choice([0.0, 0.001]),
-        )
+        b = random_batcher(rng)
         new = work(rng.randint(0, 4), rng.choice([0, 1, rng.randint(1, 600)]), rng.randint(0, 40))
         since = rng.choice([float("-inf"), now - 0.05, now - 0.001, now, now + 0.0005, now + 0.01])
         expected = reference_replay(b, [(now, new)], since, now, None)
