@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from proxy.fleet.instances import ChangeJournal, Fleet, Instance
 from proxy.fleet.snapshot import InstanceSnapshot
 from proxy.fleet.upstream import HttpUpstreams
-from proxy.routing.base import Candidate, RouteRequest
+from proxy.routing.base import NEVER, Candidate, RouteRequest
 
 Placer = Callable[[RouteRequest, "FleetPlacement", frozenset[str]], Candidate | None]
 """(request, candidate source, excluded names) -> the chosen candidate, or None if none
@@ -23,9 +23,6 @@ Builder = Callable[[str], tuple[Candidate, int] | None]
 """instance name -> its routing candidate and filter level, or None (``FleetPlacement.builder``)"""
 SlotLimit = Callable[[str, str], int | None]
 """(instance name, model) -> requests of the model the instance may hold, or None (no bound)"""
-
-
-_NEVER = float("-inf")
 
 
 def _no_snapshot(name: str) -> InstanceSnapshot | None:
@@ -142,7 +139,7 @@ class FleetPlacement:
                     "long_in_flight": inst.long_in_flight.get(model, 0),
                     "class_in_flight": in_class,
                     "flights": inst.flights.get(model),
-                    "answered_at": inst.answered_at.get(model, _NEVER),
+                    "answered_at": inst.answered_at.get(model, NEVER),
                 }
             )
             # The filter level: ``2 * (no free slot) + (the class at its per-instance cap)``.

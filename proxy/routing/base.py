@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from proxy.routing.batcher import BatcherModel
     from proxy.routing.view import ModelView
 
+NEVER = float("-inf")
+"""``Candidate.answered_at`` of an instance where no request of the model has finished yet."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -56,8 +59,8 @@ class Candidate:
     flights: Mapping[int, tuple[float, Work]] | None = None
     """The requests of the model in flight here, ``(sent at, work)`` (live: the instance's
     own record, :attr:`proxy.fleet.instances.Instance.flights`); None when not known."""
-    answered_at: float = float("-inf")
-    """Clock time a request of the model last finished here."""
+    answered_at: float = NEVER
+    """Clock time a request of the model last finished here (:data:`NEVER`: none yet)."""
 
     def load(self, model: str) -> ModelLoad:
         return self.snapshot.model(model) if self.snapshot is not None else NO_LOAD

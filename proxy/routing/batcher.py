@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Protocol
 
+from proxy.routing.base import NEVER
+
 
 class InFlight(Protocol):
     """What the replay reads of one request in flight (:class:`~proxy.fleet.instances.Work`)."""
@@ -181,7 +183,7 @@ class BatcherModel:
         last = -1
         if until is not None:
             last = count - 1 if arrivals[-1] is until else arrivals.index(until)
-        t = since if since > _NEVER else sents[0]
+        t = since if since > NEVER else sents[0]
         queued = queued_rows = 0
         oldest = 0  # the first arrival not yet batched
         i = 0
@@ -243,7 +245,6 @@ class BatcherModel:
         return out
 
 
-_NEVER = float("-inf")
 _sent = itemgetter(0)
 """A flight's sending time (the sort key of a replay's arrivals)."""
 
