@@ -432,8 +432,8 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     debt = GaugeMetricFamily(
         "triton_proxy_class_floor_debt_seconds",
         "Device-seconds of its min_share the floor boost counts the class as owed, by model "
-        "(scheduling.starved_after_s; it boosts from starved_after_s x min_share x instances, "
-        "divided by the workers with serve --workers)",
+        "(scheduling.starved_after_s; it boosts from starved_after_s x 1.3 x min_share x "
+        "instances, divided by the workers with serve --workers)",
         labels=["model", "class"],
     )
     for model, gate in rt.gates.gates.items():

@@ -344,9 +344,9 @@ def queues() -> Dashboard:
                         width=6,
                         description="The floor boost's account (scheduling.starved_after_s): "
                         "device time a class with a min_share is owed at its share of the "
-                        "fleet, less what its answers took. It boosts once this reaches "
-                        "starved_after_s x min_share x instances (per worker with serve "
-                        "--workers N: that / N); 0 while served at its share.",
+                        "fleet (and 30 % more), less what its answers took. It boosts once "
+                        "this reaches starved_after_s x 1.3 x min_share x instances (per "
+                        "worker with serve --workers N: that / N); 0 while served at its share.",
                     ),
                 ),
             ),

@@ -390,14 +390,15 @@ class SchedulingConfig:
     everyone late, and shedding cannot help that; hence not under a policy that does not
     pack."""
     starved_after_s: float | None = 2.0
-    """The floor boost: a class with a ``min_share`` below the top class is owed device time
-    at its share of the fleet (``min_share x instances`` device-seconds per second) while it
-    has requests queued or in flight, and each answer pays back its request's device time
-    (by the model's learned cost curve). Once it owes this many seconds of its share, with
-    requests of it stuck in flight and more waiting at the gate, it is *starved*: Triton's
+    """The floor boost: a class with a ``min_share`` below the top class is owed device time at
+    its share of the fleet and 30 % more (``1.3 x min_share x instances`` device-seconds per
+    second, ``proxy.scheduling.queues.FLOOR_AIM``: a share held exactly falls short in some
+    windows) while it has requests queued or in flight, and each answer pays back its request's
+    device time (by the model's learned cost curve). Once it owes this many seconds of that,
+    with requests of it stuck in flight and more waiting at the gate, it is *starved*: Triton's
     priority queue serves every more important level first, so under a sustained overload of
-    those its requests wait inside Triton for ever, holding the slots its reservation gave
-    them. While starved, the class's next requests go at the top class's Triton priority
+    those its requests wait inside Triton for ever, holding the slots its reservation gave them.
+    While starved, the class's next requests go at the top class's Triton priority
     (``triton_priority_for(top_class())``), beyond its own limits, as many as pay the debt (at
     most its reservation, ``floor(min_share x capacity)``, in flight;
     ``proxy.scheduling.queues._Floor``): the reservation holds inside Triton too. ``null``:

@@ -323,10 +323,10 @@ async def test_a_starved_class_keeps_its_floor_inside_tritons_priority_queue(
     priority queue (batches of 8, 100 ms each) full of level-1 work, so Triton never starts
     the offline requests the proxy sends at level 3, however many slots offline holds.
     ``boost``: once offline owes starved_after_s (1 s) of its share of the fleet (0.2 x 3
-    servers of device time per second, paid back by its answers), its next requests go at
-    real-time's level and complete all through the storm; the three stuck ones are
-    answered once it ends. ``no_boost``: the same storm with starved_after_s null, the premise:
-    offline completes nothing until the storm ends."""
+    servers of device time per second and 30 % more, paid back by its answers), its next
+    requests go at real-time's level and complete all through the storm; the three stuck
+    ones are answered once it ends. ``no_boost``: the same storm with starved_after_s null,
+    the premise: offline completes nothing until the storm ends."""
     watch = Watch()
     url = "/v2/models/sleeper/infer"
     scheduling = dict(BOOST_POLICY["scheduling"])

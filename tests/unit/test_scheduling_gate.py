@@ -15,7 +15,7 @@ from proxy.fleet.instances import Fleet, HealthConfig, InstanceSpec
 from proxy.scheduling.config import load_scheduling
 from proxy.scheduling.gate import Gate, RecordingObserver, Shed, Ticket
 from proxy.scheduling.models import ModelGates
-from proxy.scheduling.queues import ShedReason
+from proxy.scheduling.queues import FLOOR_AIM, ShedReason
 
 CLASSES = {
     "rt": {"rank": 0, "queue_timeout_s": 1.0},
@@ -406,9 +406,10 @@ async def test_a_starved_class_is_admitted_at_the_top_classes_triton_priority() 
 
 
 async def test_a_boosted_answer_pays_its_device_time_off_the_class_debt() -> None:
-    # As above, lo owes 1.0 s of device at t = 2 and two go boosted. Answered at 2.5 having
-    # taken 0.5 s each (ModelAdmission.served), they leave 1.0 + 0.25 - 1.0 = 0.25 owed: the
-    # next two (1.0 / 0.5 s each) go boosted only once the debt is back at 1.0, at t = 4.
+    # As above, lo owes a x 1.0 s of device at t = 2 (a = FLOOR_AIM) and two go boosted.
+    # Answered at 2.5 having taken a x 0.5 s each (ModelAdmission.served), they leave
+    # a x (1.0 + 0.25 - 1.0) = a x 0.25 owed: the next two (a x 1.0 / a x 0.5 each) go
+    # boosted only once the debt is back at a x 1.0, at t = 4.
     clock, gates, observer, info = _hi_lo_gates()
     answer = {name: asyncio.Event() for name in ("a", "b", "c", "d", "e", "f", "g", "h")}
     given: list[tuple[str, int | None]] = []
@@ -418,7 +419,7 @@ async def test_a_boosted_answer_pays_its_device_time_off_the_class_debt() -> Non
         async with admission as priority:
             given.append((name, priority))
             await answer[name].wait()
-            admission.served(0.5)
+            admission.served(FLOOR_AIM * 0.5)
 
     classes = {"a": "lo", "b": "lo", "c": "hi", "d": "hi"} | dict.fromkeys("efgh", "lo")
     tasks = [asyncio.create_task(request(n, c)) for n, c in classes.items()]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.scheduling.config import load_scheduling
-from proxy.scheduling.queues import ClassQueues, Entry, ShedReason
+from proxy.scheduling.queues import FLOOR_AIM, ClassQueues, Entry, ShedReason
 
 
 def make(classes: dict[str, dict[str, Any]], **section: Any) -> ClassQueues[str]:
@@ -246,8 +246,11 @@ def _starving(
 
 def test_a_starved_class_is_boosted_beyond_every_slot_until_its_debt_is_paid() -> None:
     q = _starving()
-    # lo is owed min_share x instances = 0.3 device-seconds per second while it has work;
-    # nothing goes before the debt reaches starved_after_s (2 s) of that: 0.6 s at t = 2.
+    # lo is owed FLOOR_AIM x min_share x instances = a x 0.3 device-seconds per second while
+    # it has work; nothing goes before the debt reaches starved_after_s (2 s) of that: a x 0.6
+    # at t = 2. Its answers below take a x 0.3 s of device each, so that the arithmetic
+    # reads in the units of its aim.
+    a = FLOOR_AIM
     assert q.pop(1.99, 10) is None
     assert q.next_expiry(1.99) == pytest.approx(2.0)
     # Its answers' device time unknown yet: its reservation (floor(0.3 x 10) = 3) goes
@@ -256,32 +259,33 @@ def test_a_starved_class_is_boosted_beyond_every_slot_until_its_debt_is_paid() -
     assert [e.item if e else None for e in boosted] == ["l3", "l4", "l5", None]
     assert all(e is not None and e.boosted for e in boosted[:3])
     assert q.in_flight("lo") == 6 and q.in_flight() == 13
-    assert q.floor_debt("lo") == pytest.approx(0.6) and q.floor_debt("hi") is None
-    # Each answer pays its device time: 0.6 + 0.5 x 0.3 - 2 x 0.3 = 0.15 left, below the
-    # threshold, so nothing more goes; it is back at 0.6 after (0.6 - 0.15) / 0.3 = 1.5 s.
-    q.release("lo", 2.5, boosted=True, served_s=0.3)
-    q.release("lo", 2.5, boosted=True, served_s=0.3)
+    assert q.floor_debt("lo") == pytest.approx(a * 0.6) and q.floor_debt("hi") is None
+    # Each answer pays its device time: a x (0.6 + 0.5 x 0.3 - 2 x 0.3) = a x 0.15 left,
+    # below the threshold, so nothing more goes; it is back at a x 0.6 after 0.45 / 0.3 = 1.5 s.
+    q.release("lo", 2.5, boosted=True, served_s=a * 0.3)
+    q.release("lo", 2.5, boosted=True, served_s=a * 0.3)
     assert q.pop(2.5, 10) is None
     assert q.next_expiry(2.5) == pytest.approx(4.0)
     assert q.pop(3.99, 10) is None
-    # Then as many go as pay the debt (0.6 / 0.3 s each = 2), the one still out included.
+    # Then as many go as pay the debt (a x 0.6 / a x 0.3 each = 2), the one still out included.
     again = [q.pop(4.0, 10) for _ in range(2)]
     assert again[0] is not None and again[0].item == "l6" and again[0].boosted
     assert again[1] is None
     # An answer whose device time is unknown pays it all; with the two boosted answered, a
     # slot is free (7 of hi and 2 of lo in flight) and goes to lo's reservation, not boosted.
-    q.release("lo", 4.5, boosted=True, served_s=0.3)
-    q.release("lo", 4.5, boosted=True, served_s=0.3)
+    q.release("lo", 4.5, boosted=True, served_s=a * 0.3)
+    q.release("lo", 4.5, boosted=True, served_s=a * 0.3)
     q.release("lo", 4.5)
     freed = q.pop(4.5, 10)
     assert freed is not None and freed.class_name == "lo" and not freed.boosted
     assert q.next_expiry(4.5) == pytest.approx(6.5)
 
 
-def test_a_class_starved_for_good_is_served_at_its_share() -> None:
+def test_a_class_starved_for_good_is_served_above_its_share() -> None:
     # Nothing unboosted of lo is ever answered (stuck behind hi inside Triton); its boosted
     # requests take 0.1 s of device each and are answered 0.4 s after they go. Over 60 s it
-    # gets its 0.3 device-seconds per second, less the threshold it waits for first.
+    # gets FLOOR_AIM x its 0.3 device-seconds per second, less the threshold it waits for
+    # first: more than its share.
     q = _starving()
     for i in range(20, 2000):
         q.push(f"l{i}", "lo", 0.0)
@@ -297,42 +301,46 @@ def test_a_class_starved_for_good_is_served_at_its_share() -> None:
             assert entry.boosted
             out.append(now + 0.4)
         now = round(now + 0.01, 2)
-    assert 0.3 * 60 - 0.6 - 0.3 <= served <= 0.3 * 60
+    rate = FLOOR_AIM * 0.3
+    assert rate * 60 - rate * 2 - 0.3 <= served <= rate * 60
+    assert served > 0.3 * 60
 
 
 def test_one_worker_of_two_owes_half_the_floor() -> None:
     # serve --workers 2: each worker's gate is owed its part of the class's share, so the
     # two together boost the class's share, not twice it. Both start boosting after 2 s of
-    # it; once their answers' device time (0.3 s) is known, the next rounds pay 0.6 s and 0.3 s.
+    # it; once their answers' device time (a x 0.3 s) is known, the next rounds pay a x 0.6 s
+    # and a x 0.3 s.
     sent = []
     for part in (1.0, 0.5):
         q = _starving(fleet_part=part)
         assert len(drain(q, 2.0, 10)) == 3  # the reservation: device time unknown yet
         for _ in range(3):
-            q.release("lo", 2.0, boosted=True, served_s=0.3)
+            q.release("lo", 2.0, boosted=True, served_s=FLOOR_AIM * 0.3)
         assert q.next_expiry(2.0) == pytest.approx(4.0)
         sent.append(len(drain(q, 4.0, 10)))
     assert sent == [2, 1]
 
 
 def test_a_long_outage_is_not_repaid_in_a_flood() -> None:
-    # The debt is held to twice the threshold (1.2 s here): after a minute stuck, what goes
-    # boosted pays 1.2 s of device, not 18.
+    # The debt is held to twice the threshold (a x 2 s here, a = FLOOR_AIM): after a minute
+    # stuck, what goes boosted pays a x 2 s of device, not a x 30.
+    a = FLOOR_AIM
     q = _starving(classes={**_HI_LO, "lo": {**_HI_LO["lo"], "min_share": 0.5}})
-    first = q.pop(2.0, 10)  # owed 0.5 x 2 = 1.0: its reservation (5) goes, device time unknown
+    first = q.pop(2.0, 10)  # owed a x 0.5 x 2: its reservation (5) goes, device time unknown
     assert first is not None and first.boosted
     while q.pop(2.0, 10) is not None:
         pass
     for _ in range(5):
-        q.release("lo", 2.0, boosted=True, served_s=0.2)
+        q.release("lo", 2.0, boosted=True, served_s=a * 0.2)
     sent = 0
     while (entry := q.pop(62.0, 10)) is not None:
         assert entry.boosted
         sent += 1
-    assert sent == 5  # ceil(min(2.0, 1.0 + 60 x 0.5) / 0.2) = 10, at most the reservation 5
+    assert sent == 5  # ceil(a x min(2.0, 1.0 + 60 x 0.5) / (a x 0.2)) = 10, at most 5
     for _ in range(5):
-        q.release("lo", 62.0, boosted=True, served_s=0.2)
-    assert q.pop(62.0, 10) is not None  # 2.0 - 1.0 paid: 1.0 still owed, at the threshold
+        q.release("lo", 62.0, boosted=True, served_s=a * 0.2)
+    assert q.pop(62.0, 10) is not None  # a x (2.0 - 1.0) paid: a x 1.0 owed, the threshold
 
 
 @pytest.mark.parametrize(
