@@ -32,8 +32,8 @@ stuck in flight and more queued, it dispatches its head whatever the slots, its 
 the others hold: *boosted*, as many at once as pay the debt; the gate sends those at the top
 class's Triton priority (:attr:`Entry.boosted`). Under a sustained overload of the classes
 above it, Triton's priority queue would otherwise never start the class's requests, however
-many slots the proxy reserved for them (``surge.yaml`` at 2x: 0-5 offline completions per 10
-s window against a floor of 36).
+many slots the proxy reserved for them (``surge.yaml`` at 2x: 0-5 offline completions per
+10-s window against a floor of 36).
 
 Shedding happens at ``push``: a full class queue sheds the newcomer (``queue_full``); a full
 global queue (``max_queued_total``) evicts the newest request of the least important class
