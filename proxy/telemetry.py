@@ -22,6 +22,7 @@ from prometheus_client.samples import Sample
 
 from proxy.exposition import MAX_SERIES, Registry, render_families
 from proxy.observer import RequestRecord
+from proxy.scheduling.queues import FLOOR_AIM
 
 if TYPE_CHECKING:
     from proxy.control.loops import ControlLoops
@@ -432,8 +433,8 @@ def _classes(rt: Runtime) -> Iterator[Metric]:
     debt = GaugeMetricFamily(
         "triton_proxy_class_floor_debt_seconds",
         "Device-seconds of its min_share the floor boost counts the class as owed, by model "
-        "(scheduling.starved_after_s; it boosts from starved_after_s x 1.3 x min_share x "
-        "instances, divided by the workers with serve --workers)",
+        f"(scheduling.starved_after_s; it boosts from starved_after_s x {FLOOR_AIM:g} x "
+        "min_share x instances, divided by the workers with serve --workers)",
         labels=["model", "class"],
     )
     for model, gate in rt.gates.gates.items():

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from proxy.scheduling.queues import FLOOR_AIM
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "docker" / "grafana" / "dashboards"
 SCHEMA_VERSION = 39
@@ -343,10 +345,11 @@ def queues() -> Dashboard:
                         unit="s",
                         width=6,
                         description="The floor boost's account (scheduling.starved_after_s): "
-                        "device time a class with a min_share is owed at its share of the "
-                        "fleet (and 30 % more), less what its answers took. It boosts once "
-                        "this reaches starved_after_s x 1.3 x min_share x instances (per "
-                        "worker with serve --workers N: that / N); 0 while served at its share.",
+                        f"device time a class with a min_share is owed at {FLOOR_AIM:g} times "
+                        "its share of the fleet, less what its answers took. It boosts once "
+                        f"this reaches starved_after_s x {FLOOR_AIM:g} x min_share x instances "
+                        "(per worker with serve --workers N: that / N); 0 while served at its "
+                        "share.",
                     ),
                 ),
             ),
