@@ -36,7 +36,10 @@ Every arm sends the same schedule to the same local Triton servers:
   boost once a class owes 1 s (2 s, 3 s) of its share (``+starved2``, sessions 41-43's
   default); its ``+rspread`` keeps the long work the fill does not pack off the short
   reserve too (``reserve_spread``): :data:`CLASS_DEFAULT_ARM`, the one whose routing and
-  scheduling a policy file with classes and no routing section gets today; ``+no_copy``
+  scheduling a policy file with classes and no routing section gets today, whose ``+lend1``
+  (``+lend2``, ``+lend4``) lets each spare of the throughput class's lane hold 1 (2, 4) of
+  its requests while kept and the class is behind (``spare_per_instance``,
+  :data:`SPARE_LENT`); ``+no_copy``
   (of :data:`SHARED_DEFAULT_ARM`) sends no doorbell copies (the redirect wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
@@ -136,6 +139,8 @@ PREVIOUS_CONCURRENCY = 32
 ``accel_sim``), what ``derive_concurrency`` gave for one model instance."""
 
 
+SPARE_LENT = (1, 2, 4)
+"""``spare_per_instance`` of the ``+lend`` arms (session 47)."""
 LANE_DEPTH = 8
 """``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
 issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
@@ -297,6 +302,9 @@ class ArmPlan:
     lowest_shallow_per_instance: int | None = None
     """``shallow_per_instance`` of the lowest-ranked class (its lane's depth while it keeps
     up)."""
+    lowest_spare_per_instance: int = 0
+    """``spare_per_instance`` of the lowest-ranked class (what each spare of its lane may
+    hold while the spares are kept)."""
     lowest_shares_level: bool = False
     """The lowest-ranked class is sent at the Triton priority of the class ranked just above
     it (Triton serves the two in arrival order) instead of its own lower one."""
@@ -991,6 +999,19 @@ def _catalog() -> dict[str, ArmPlan]:
             reserve_spread=True,
         )
     )
+    # Session 47: the lane's spare lent a few of the throughput class's requests.
+    rspread = next(p for p in plans if p.name == CLASS_DEFAULT_ARM)
+    plans += [
+        replace(
+            rspread,
+            name=f"{rspread.name}+lend{lent}",
+            description=f"{rspread.name} whose lane's spare holds up to {lent} of the "
+            "throughput class's requests while it is kept for the classes above and the "
+            "class is behind (spare_per_instance)",
+            lowest_spare_per_instance=lent,
+        )
+        for lent in SPARE_LENT
+    ]
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(
@@ -1191,6 +1212,9 @@ def proxy_policy(
             if plan.lowest_shallow_per_instance is not None:
                 shallow = plan.lowest_shallow_per_instance
                 section["classes"][lowest]["shallow_per_instance"] = shallow
+            if plan.lowest_spare_per_instance:
+                lent = plan.lowest_spare_per_instance
+                section["classes"][lowest]["spare_per_instance"] = lent
         if plan.lowest_shares_level:
             classes = section["classes"]
             *_, above, lowest = sorted(classes, key=lambda n: classes[n]["rank"])

@@ -115,6 +115,23 @@ class ClassConfig:
     spare_idle_s: float = 1.0
     """How long the more important classes must have been idle before the class may use its
     ``spare_instances`` too."""
+    spare_per_instance: int = 0
+    """Requests of the class each spare instance may hold while the spares are kept for the
+    more important classes and the class is not keeping up (its oldest queued request has
+    waited ``deepen_after_s``); 0: none. The gate admits this many more per spare than the
+    lane's instances hold, and placement, which fills the instances already running the
+    class before it opens another, leaves them on the instance running the least of it, so
+    while the lane's instances are full one instance per spare holds at most this many of
+    the class (never more than the lane's depth). For a class of small requests whose
+    throughput matters: a spare kept whole for a real-time class that uses a few percent of
+    it idles while the class's queue grows. Only behind a backlog because lending costs the
+    classes above their tail wherever it happens: measured (docs/benchmarks.md, issue 10,
+    forty-seventh round), lent at any time it won nothing at ``case.yaml`` x1 (offline kept
+    up without it) and doubled real-time's P99; on ``one_row_job.yaml``, whose offline is
+    always behind, 1 / 2 / 4 lent gave offline +18-20 / +25-29 / +34-41 % of its
+    completions at x1-x2 for real-time P99s of 30-39 / 59-63 / 70-72 ms against 15-26 (SLO
+    100 ms). Acts only on a lane (``spare_instances``, ``spare_fraction`` or the derived
+    lane)."""
     min_share: float = 0.0
     """Fraction of capacity reserved while this class has work waiting: others cannot take the
     last ``floor(min_share * capacity)`` slots it is short of."""
@@ -144,6 +161,8 @@ class ClassConfig:
             raise ValueError(f"spare_instances must be >= 0, got {self.spare_instances}")
         if self.spare_idle_s < 0:
             raise ValueError(f"spare_idle_s must be >= 0, got {self.spare_idle_s}")
+        if self.spare_per_instance < 0:
+            raise ValueError(f"spare_per_instance must be >= 0, got {self.spare_per_instance}")
         if self.spare_instances and self.max_per_instance is None:
             raise ValueError("spare_instances needs max_per_instance (the lane's depth)")
         if not 0.0 <= self.spare_fraction < 1.0:
@@ -227,7 +246,10 @@ class ClassConfig:
         lane = self.lane(instances, spare)
         depth = self.depth(waited_s)
         if depth is not None:
-            limit = min(limit, max(1, depth * lane))
+            held = depth * lane
+            if waited_s is not None and waited_s >= self.deepen_after_s:
+                held += min(depth, self.spare_per_instance) * (instances - lane)
+            limit = min(limit, max(1, held))
         return limit
 
     def reserved(self, capacity: int, instances: int = 1, waited_s: float | None = None) -> int:
@@ -606,8 +628,9 @@ def derived_lane(max_batch_size: int) -> tuple[int, int] | None:
     long request that lands there runs in a small batch). Requests of one row make the lane
     shallower in rows (8 rows of 16): in ``benchmarks/issue10/one_row_job.yaml`` such a class
     lost 41-42 % of its completions while real-time went from about 10 % to 100 % within its
-    SLO. Set ``max_per_instance`` where the class's requests are small and its throughput
-    matters more than the others' tails."""
+    SLO. Where the class's requests are small and its throughput matters more than the
+    others' tails, set its ``spare_per_instance`` (the derived lane keeps it: a few of its
+    requests on each spare) or its ``max_per_instance``."""
     if max_batch_size < 2:
         return None
     depth = max_batch_size // 2

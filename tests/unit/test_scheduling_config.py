@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -172,6 +173,40 @@ def test_spare_instances_need_a_per_instance_cap() -> None:
         ClassConfig(rank=1, max_per_instance=2, spare_instances=-1)
     lane = ClassConfig(rank=1, max_per_instance=4, spare_instances=2)
     assert [lane.share_limit(100, n) for n in (1, 2, 3, 5)] == [4, 4, 4, 12]
+
+
+def test_spare_per_instance_lends_each_kept_spare_that_many_never_past_the_depth() -> None:
+    with pytest.raises(ValueError, match="spare_per_instance must be >= 0"):
+        ClassConfig(rank=1, max_per_instance=2, spare_instances=1, spare_per_instance=-1)
+    lane = ClassConfig(rank=1, max_per_instance=8, spare_instances=2, spare_per_instance=3)
+
+    def behind(instances: int, **kw: Any) -> int:  # the oldest queued has waited 1 s
+        return lane.share_limit(100, instances, waited_s=1.0, **kw)
+
+    # 8 on each lane instance, 3 on each spare kept; one instance is the lane (no spare).
+    assert [behind(n) for n in (1, 2, 3, 5)] == [8, 8 + 3, 8 + 6, 24 + 6]
+    assert behind(5, spare=False) == 40  # lent whole: 8 everywhere
+    # Keeping up (nothing queued, or the oldest younger than deepen_after_s): nothing lent.
+    assert [lane.share_limit(100, 5, waited_s=w) for w in (None, 0.0, 0.9)] == [24] * 3
+    shallow = replace(lane, shallow_per_instance=2, spare_per_instance=9)
+    assert shallow.share_limit(100, 5, waited_s=0.5) == 3 * 2  # shallow: keeping up
+    assert shallow.share_limit(100, 5, waited_s=1.0) == 3 * 8 + 2 * 8  # never past the depth
+    assert ClassConfig(rank=1, spare_per_instance=4).share_limit(100, 5, waited_s=9.0) == 100
+
+
+def test_the_derived_lane_keeps_the_class_s_spare_per_instance() -> None:
+    config = load_scheduling(
+        {
+            "classes": {
+                "rt": {"rank": 0, "slo_p99_ms": 100},
+                "off": {"rank": 1, "spare_per_instance": 2},
+            },
+            "default_class": "off",
+        }
+    )
+    off = config.for_model(16).classes["off"]
+    assert (off.max_per_instance, off.spare_instances, off.spare_per_instance) == (8, 1, 2)
+    assert off.share_limit(100, 3, waited_s=1.0) == 2 * 8 + 2
 
 
 def test_slot_sharing_defaults_to_null_and_refuses_unknown_values() -> None:

@@ -560,6 +560,29 @@ def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() ->
     assert pop_all(1.2) == 0
 
 
+def test_a_kept_spare_holds_spare_per_instance_of_the_class() -> None:
+    q = make(
+        {
+            "rt": {"rank": 0},
+            "off": {
+                "rank": 1,
+                "max_per_instance": 8,
+                "spare_instances": 1,
+                "spare_per_instance": 2,
+            },
+        }
+    )
+    q.push("r1", "rt", 0.0)
+    assert q.pop(0.0, 96, 3) is not None
+    for i in range(40):
+        q.push(f"o{i}", "off", 0.0)
+    assert len(drain(q, 0.5, 96, instances=3)) == 16  # rt in flight: the lane, 2 of 3
+    # offline's oldest has waited deepen_after_s (1 s): behind, 2 on the spare too
+    assert len(drain(q, 1.0, 96, instances=3)) == 2
+    q.release("rt")
+    assert len(drain(q, 2.0, 96, instances=3)) == 6  # rt idle 1 s: the spare lent whole
+
+
 def test_a_shallow_lane_deepens_while_its_queue_is_stuck() -> None:
     # Depth 2 on each of the 2 lane instances while the oldest queued offline request has
     # waited less than 1 s; 8 while it has waited longer.
@@ -699,6 +722,8 @@ def _random_section(rng: random.Random) -> dict[str, Any]:
                 cls["shallow_per_instance"] = 1
             if rank and rng.random() < 0.7:
                 cls["spare_instances"] = rng.randint(1, 2)
+                if rng.random() < 0.5:
+                    cls["spare_per_instance"] = rng.randint(1, 3)
         classes[name] = cls
     return {
         "classes": classes,
