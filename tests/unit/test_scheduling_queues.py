@@ -527,22 +527,20 @@ def test_spare_instances_shrink_a_capped_class_to_its_lane(instances: int, expec
     assert q.pop(0.0, 96, instances) is not None  # the other classes keep the rest
 
 
-def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() -> None:
-    q = make(
-        {
-            "rt": {"rank": 0},
-            "off": {
-                "rank": 1,
-                "max_per_instance": 8,
-                "spare_instances": 1,
-                "spare_idle_s": 1.0,
-            },
-        }
-    )
+def lane_below_rt(**off: object) -> ClassQueues[str]:
+    """rt in flight since 0 s and 40 offline requests queued at 0 s; offline has a lane of
+    8 per instance with one spare (and ``off``)."""
+    lane = {"rank": 1, "max_per_instance": 8, "spare_instances": 1, "spare_idle_s": 1.0}
+    q = make({"rt": {"rank": 0}, "off": {**lane, **off}})
     q.push("r1", "rt", 0.0)
     assert q.pop(0.0, 96, 3) is not None
     for i in range(40):
         q.push(f"o{i}", "off", 0.0)
+    return q
+
+
+def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() -> None:
+    q = lane_below_rt()
 
     def pop_all(now: float) -> int:
         n = 0
@@ -561,21 +559,7 @@ def test_spare_instances_are_lent_while_the_more_important_classes_are_idle() ->
 
 
 def test_a_kept_spare_holds_spare_per_instance_of_the_class() -> None:
-    q = make(
-        {
-            "rt": {"rank": 0},
-            "off": {
-                "rank": 1,
-                "max_per_instance": 8,
-                "spare_instances": 1,
-                "spare_per_instance": 2,
-            },
-        }
-    )
-    q.push("r1", "rt", 0.0)
-    assert q.pop(0.0, 96, 3) is not None
-    for i in range(40):
-        q.push(f"o{i}", "off", 0.0)
+    q = lane_below_rt(spare_per_instance=2)
     assert len(drain(q, 0.5, 96, instances=3)) == 16  # rt in flight: the lane, 2 of 3
     # offline's oldest has waited deepen_after_s (1 s): behind, 2 on the spare too
     assert len(drain(q, 1.0, 96, instances=3)) == 2
