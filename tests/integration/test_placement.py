@@ -164,6 +164,46 @@ async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
         assert watch.widest == 2, watch.widest
 
 
+LENT_POLICY: dict[str, Any] = {
+    **LANE_POLICY,
+    "scheduling": {
+        **LANE_POLICY["scheduling"],
+        "classes": {
+            **LANE_POLICY["scheduling"]["classes"],
+            "offline": {
+                **LANE_POLICY["scheduling"]["classes"]["offline"],
+                "spare_per_instance": 1,
+                "deepen_after_s": 0.02,  # behind once its queue has not moved for 20 ms
+            },
+        },
+    },
+}
+
+
+async def test_a_kept_spare_holds_spare_per_instance_of_a_class_that_is_behind(
+    triton_fleet: Any,
+) -> None:
+    # The lane above with spare_per_instance 1 and offline behind (24 queued): the gate
+    # admits 2 x 2 + 1 at once, so offline reaches all three servers (the lane alone holds
+    # two), at most 2 on one: the one holding the fewest holds at most 1.
+    watch = LaneWatch()
+    with running_proxy(triton_fleet.servers, LENT_POLICY, gate_observer=watch) as p:
+        watch.proxy = p
+        async with aiohttp.ClientSession(f"http://{p.http}") as session:
+            send = functools.partial(post, session)
+
+            assert await send(RT_KEY, 16) == 200  # real-time has been active
+            offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
+            await asyncio.sleep(0.3)
+            realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
+            statuses = await asyncio.gather(*offline)
+        assert set(statuses) == {200} and set(realtime) == {200}
+        assert watch.dispatches["offline"] == 24
+        assert watch.total <= 5, watch.total
+        assert max(watch.peak.values()) == 2, watch.peak
+        assert watch.widest == 3, watch.widest
+
+
 SHALLOW_POLICY: dict[str, Any] = {
     **LANE_POLICY,
     "scheduling": {
