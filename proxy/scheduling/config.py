@@ -130,8 +130,9 @@ class ClassConfig:
     up without it) and doubled real-time's P99; on ``one_row_job.yaml``, whose offline is
     always behind, 1 / 2 / 4 lent gave offline +18-20 / +25-29 / +34-41 % of its
     completions at x1-x2 for real-time P99s of 30-39 / 59-63 / 70-72 ms against 15-26 (SLO
-    100 ms). Acts only on a lane (``spare_instances``, ``spare_fraction`` or the derived
-    lane)."""
+    100 ms); on ``burst.yaml``, whose offline drains each burst anyway, 1 lent doubled
+    real-time's P99 at x1 (within its SLO) for no more completions: off by default. Acts
+    only on a lane (``spare_instances``, ``spare_fraction`` or the derived lane)."""
     min_share: float = 0.0
     """Fraction of capacity reserved while this class has work waiting: others cannot take the
     last ``floor(min_share * capacity)`` slots it is short of."""
