@@ -141,14 +141,11 @@ class LaneWatch(PerInstance):
             self.widest = max(self.widest, len(holding))
 
 
-async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
-    triton_fleet: Any,
-) -> None:
-    # Three servers, offline at 2 per instance with one spare: offline runs on at most two
-    # servers at once (packed: a new one opens only when the lane's are full), and never
-    # more than 2 on one; real-time requests are served meanwhile.
+async def lane_run(servers: Any, policy: dict[str, Any]) -> LaneWatch:
+    """24 offline requests queued at once behind a real-time one, then 24 real-time
+    requests meanwhile; every one answered 200. What the lane's instances held."""
     watch = LaneWatch()
-    with running_proxy(triton_fleet.servers, LANE_POLICY, gate_observer=watch) as p:
+    with running_proxy(servers, policy, gate_observer=watch) as p:
         watch.proxy = p
         async with aiohttp.ClientSession(f"http://{p.http}") as session:
             send = functools.partial(post, session)
@@ -158,26 +155,37 @@ async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
             await asyncio.sleep(0.3)
             realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
             statuses = await asyncio.gather(*offline)
-        assert set(statuses) == {200} and set(realtime) == {200}
-        assert watch.dispatches["offline"] == 24
-        assert max(watch.peak.values()) == 2, watch.peak
-        assert watch.widest == 2, watch.widest
+    assert set(statuses) == {200} and set(realtime) == {200}
+    assert watch.dispatches["offline"] == 24
+    return watch
 
 
-LENT_POLICY: dict[str, Any] = {
-    **LANE_POLICY,
-    "scheduling": {
-        **LANE_POLICY["scheduling"],
-        "classes": {
-            **LANE_POLICY["scheduling"]["classes"],
-            "offline": {
-                **LANE_POLICY["scheduling"]["classes"]["offline"],
-                "spare_per_instance": 1,
-                "deepen_after_s": 0.02,  # behind once its queue has not moved for 20 ms
-            },
+async def test_a_long_lane_leaves_a_spare_instance_free_of_the_capped_class(
+    triton_fleet: Any,
+) -> None:
+    # Three servers, offline at 2 per instance with one spare: offline runs on at most two
+    # servers at once (packed: a new one opens only when the lane's are full), and never
+    # more than 2 on one; real-time requests are served meanwhile.
+    watch = await lane_run(triton_fleet.servers, LANE_POLICY)
+    assert max(watch.peak.values()) == 2, watch.peak
+    assert watch.widest == 2, watch.widest
+
+
+def lane_with(**offline: Any) -> dict[str, Any]:
+    """LANE_POLICY with ``offline`` set on its offline class."""
+    scheduling = LANE_POLICY["scheduling"]
+    classes = scheduling["classes"]
+    return {
+        **LANE_POLICY,
+        "scheduling": {
+            **scheduling,
+            "classes": {**classes, "offline": {**classes["offline"], **offline}},
         },
-    },
-}
+    }
+
+
+# Behind once its queue has not moved for 20 ms.
+LENT_POLICY = lane_with(spare_per_instance=1, deepen_after_s=0.02)
 
 
 async def test_a_kept_spare_holds_spare_per_instance_of_a_class_that_is_behind(
@@ -186,41 +194,15 @@ async def test_a_kept_spare_holds_spare_per_instance_of_a_class_that_is_behind(
     # The lane above with spare_per_instance 1 and offline behind (24 queued): the gate
     # admits 2 x 2 + 1 at once, so offline reaches all three servers (the lane alone holds
     # two), at most 2 on one: the one holding the fewest holds at most 1.
-    watch = LaneWatch()
-    with running_proxy(triton_fleet.servers, LENT_POLICY, gate_observer=watch) as p:
-        watch.proxy = p
-        async with aiohttp.ClientSession(f"http://{p.http}") as session:
-            send = functools.partial(post, session)
-
-            assert await send(RT_KEY, 16) == 200  # real-time has been active
-            offline = [asyncio.ensure_future(send(OFF_KEY, 512)) for _ in range(24)]
-            await asyncio.sleep(0.3)
-            realtime = await asyncio.gather(*(send(RT_KEY, 16) for _ in range(24)))
-            statuses = await asyncio.gather(*offline)
-        assert set(statuses) == {200} and set(realtime) == {200}
-        assert watch.dispatches["offline"] == 24
-        assert watch.total <= 5, watch.total
-        assert max(watch.peak.values()) == 2, watch.peak
-        assert watch.widest == 3, watch.widest
+    watch = await lane_run(triton_fleet.servers, LENT_POLICY)
+    assert watch.total <= 5, watch.total
+    assert max(watch.peak.values()) == 2, watch.peak
+    assert watch.widest == 3, watch.widest
 
 
-SHALLOW_POLICY: dict[str, Any] = {
-    **LANE_POLICY,
-    "scheduling": {
-        **LANE_POLICY["scheduling"],
-        "classes": {
-            **LANE_POLICY["scheduling"]["classes"],
-            "offline": {
-                **LANE_POLICY["scheduling"]["classes"]["offline"],
-                "max_per_instance": 4,
-                "shallow_per_instance": 1,
-                # accel_sim runs a 512-token row in about 4 ms here: a queue that has not
-                # moved for 20 ms is stuck.
-                "deepen_after_s": 0.02,
-            },
-        },
-    },
-}
+# accel_sim runs a 512-token row in about 4 ms here: a queue that has not moved for 20 ms
+# is stuck.
+SHALLOW_POLICY = lane_with(max_per_instance=4, shallow_per_instance=1, deepen_after_s=0.02)
 
 
 async def test_a_shallow_lane_deepens_under_a_backlog(triton_fleet: Any) -> None:
