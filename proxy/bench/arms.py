@@ -304,7 +304,7 @@ class ArmPlan:
     up)."""
     lowest_spare_per_instance: int = 0
     """``spare_per_instance`` of the lowest-ranked class (what each spare of its lane may
-    hold while the spares are kept)."""
+    hold while the spares are kept and the class is behind)."""
     lowest_shares_level: bool = False
     """The lowest-ranked class is sent at the Triton priority of the class ranked just above
     it (Triton serves the two in arrival order) instead of its own lower one."""
