@@ -431,6 +431,89 @@ def test_remove_cancels_a_queued_entry_once() -> None:
     assert drain(q, 0.0, 10) == ["a2", "a3"]
 
 
+def _pushed(q: ClassQueues[str], lengths: list[float], cls: str = "a", at: float = 0.0) -> None:
+    """Push one request per length, named by its position (``"a0"``, ``"a1"``, ...)."""
+    start = q.queued(cls)
+    for i, length in enumerate(lengths):
+        q.push(f"{cls}{start + i}", cls, at, length=length)
+
+
+def test_a_backlog_is_released_in_rounds_ordered_by_length_up_then_down() -> None:
+    q = make({"a": {"rank": 0, "length_round": 4}})
+    _pushed(q, [200, 130, 250, 180, 240, 140, 170])
+    # The four oldest, shortest first; then the three left, longest first.
+    assert drain(q, 0.0, 100) == ["a1", "a3", "a0", "a2", "a4", "a6", "a5"]
+
+
+def test_without_length_round_or_a_backlog_the_queue_is_first_come_first_served() -> None:
+    q = make({"a": {"rank": 0}})
+    _pushed(q, [200, 130, 250])
+    assert drain(q, 0.0, 100) == ["a0", "a1", "a2"]
+    q = make({"a": {"rank": 0, "length_round": 4}})
+    for i, length in enumerate([250, 130, 200]):
+        q.push(f"a{i}", "a", 0.0, length=length)
+        assert drain(q, 0.0, 100) == [f"a{i}"]  # alone in the queue: no round
+
+
+def test_a_round_passes_over_entries_that_left_the_queue() -> None:
+    q = make({"a": {"rank": 0, "length_round": 3, "queue_timeout_s": 1.0}})
+    _pushed(q, [300, 100, 200])
+    first = q.pop(0.0, 100)
+    assert first is not None and first.item == "a1"
+    # a2 (next in the round) is cancelled, a0 times out; a new one queues meanwhile.
+    q.push("late", "a", 0.5, length=50)
+    assert q.remove(next(e for e in q._queues["a"].values() if e.item == "a2"))
+    assert [e.item for e in q.expire(1.0)] == ["a0"]
+    assert drain(q, 1.0, 100) == ["late"]
+    assert q.queued() == 0 and not any(q._rounds.values())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_request_is_passed_by_at_most_a_round_of_newer_ones(seed: int) -> None:
+    """The bound ClassConfig.length_round states: fewer than ``length_round`` requests that
+    arrived after a request are released before it, whatever the arrivals and lengths."""
+    rng = random.Random(seed)
+    size = rng.choice([2, 4, 16, 48])
+    q = make({"a": {"rank": 0, "length_round": size, "queue_timeout_s": None}})
+    order: list[int] = []
+    pushed = 0
+    for _ in range(400):
+        if rng.random() < 0.55:
+            q.push(str(pushed), "a", 0.0, length=rng.choice([1, 64, 128, 200, 256, 512]))
+            pushed += 1
+        elif (entry := q.pop(0.0, 10_000)) is not None:
+            order.append(int(entry.item))
+    order += [int(item) for item in drain(q, 0.0, 10_000)]
+    assert sorted(order) == list(range(pushed))
+    for at, item in enumerate(order):
+        passed_by = sum(1 for earlier in order[:at] if earlier > item)
+        assert passed_by < size
+
+
+def test_a_length_round_gives_the_lane_the_depth_of_the_oldest_wait() -> None:
+    """A round may release a younger request first: the pop's limit (the lane's depth) is
+    the one of the class's oldest wait, as the gate's ticket reads it (head_wait)."""
+    q = make(
+        {
+            "rt": {"rank": 0},
+            "off": {
+                "rank": 1,
+                "max_per_instance": 4,
+                "shallow_per_instance": 1,
+                "deepen_after_s": 1.0,
+                "length_round": 8,
+            },
+        },
+        default_class="off",
+    )
+    q.push("old", "off", 0.0, length=512)
+    q.push("young", "off", 1.5, length=64)
+    popped = q.pop(2.0, 100, instances=1)
+    assert popped is not None and popped.item == "young"
+    assert q.head_wait("off", 2.0) == 2.0  # the old one is still queued: deep
+    assert q.pop(2.0, 100, instances=1) is not None  # depth 4: a second one goes too
+
+
 def test_full_class_queue_sheds_the_newcomer() -> None:
     q = make({"a": {"rank": 0, "max_queue": 2}, "b": {"rank": 1}})
     assert q.push("a1", "a", 0.0).entry is not None
