@@ -1034,20 +1034,22 @@ def _catalog() -> dict[str, ArmPlan]:
     # ... and with at most two batches in flight per instance, so that a surge's backlog
     # waits at the gate, where the rounds order it, rather than inside Triton.
     for plan in [rspread, *plans[-len(LENGTH_ROUNDS) :]]:
-        scheduling = dict(plan.scheduling or {})
-        scheduling["adaptive_concurrency"] = {
-            **scheduling.get("adaptive_concurrency", {}),
-            "max_batches": 2.0,
-        }
-        plans.append(
-            replace(
-                plan,
-                name=f"{plan.name}+batches2",
-                description=f"{plan.name} with at most two batches in flight per instance "
-                "(adaptive_concurrency max_batches: 2)",
-                scheduling=scheduling,
+        for suffix, low in (("batches2", 1.0), ("slots2", 2.0)):
+            scheduling = dict(plan.scheduling or {})
+            scheduling["adaptive_concurrency"] = {
+                **scheduling.get("adaptive_concurrency", {}),
+                "max_batches": 2.0,
+                "min_batches": low,
+            }
+            plans.append(
+                replace(
+                    plan,
+                    name=f"{plan.name}+{suffix}",
+                    description=f"{plan.name} with at most two batches in flight per instance "
+                    f"(adaptive_concurrency max_batches: 2, min_batches: {low:g})",
+                    scheduling=scheduling,
+                )
             )
-        )
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(
