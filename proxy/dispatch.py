@@ -397,7 +397,7 @@ class Dispatcher:
         # by whoever finishes the send: ``release`` in a ``finally`` rather than an
         # ``AsyncExitStack`` handed over, which was eight Python calls per request more
         # (cProfile, session 17).
-        admitted = admission.admit(call.model, r.info, r.klass, call.deadline, call.length)
+        admitted = admission.admit(call.model, r.info, r.klass, call.deadline)
         priority = await admitted.__aenter__()
         trace.queue_wait_s = time.perf_counter() - queued_at
 

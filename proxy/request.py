@@ -82,9 +82,3 @@ class Call:
     deadline: float | None = None
     """Clock time after which the client no longer waits (gRPC deadline, KServe ``timeout``,
     or the HTTP deadline header), or None."""
-
-    @property
-    def length(self) -> float:
-        """The length a batch it joins is padded to: ``cost / rows``."""
-        rows = self.rows
-        return self.cost / rows if rows > 1 else self.cost

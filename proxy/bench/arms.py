@@ -39,9 +39,7 @@ Every arm sends the same schedule to the same local Triton servers:
   scheduling a policy file with classes and no routing section gets today, whose ``+lend1``
   (``+lend2``, ``+lend4``) lets each spare of the throughput class's lane hold 1 (2, 4) of
   its requests while kept and the class is behind (``spare_per_instance``,
-  :data:`SPARE_LENT`), and whose ``+bylen48`` (``+bylen96``) releases the backlog of every
-  class with an SLO in rounds of 48 (96) ordered by length (``length_round``,
-  :data:`LENGTH_ROUNDS`); ``+no_copy``
+  :data:`SPARE_LENT`); ``+no_copy``
   (of :data:`SHARED_DEFAULT_ARM`) sends no doorbell copies (the redirect wake);
 - ``proxy_class_aware``: issue 10's configuration: ``expected_start`` + classes, the lowest
   class (the throughput class) capped at ``max_per_instance: 1``, and the defaults (slots
@@ -143,9 +141,6 @@ PREVIOUS_CONCURRENCY = 32
 
 SPARE_LENT = (1, 2, 4)
 """``spare_per_instance`` of the ``+lend`` arms (session 47)."""
-LENGTH_ROUNDS = (48, 96)
-"""``length_round`` of the SLO classes in the ``+bylen`` arms (session 48): one and two
-batches per instance of issue 10's three servers."""
 LANE_DEPTH = 8
 """``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
 issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
@@ -310,9 +305,6 @@ class ArmPlan:
     lowest_spare_per_instance: int = 0
     """``spare_per_instance`` of the lowest-ranked class (what each spare of its lane may
     hold while the spares are kept and the class is behind)."""
-    slo_length_round: int = 0
-    """``length_round`` of every class with an SLO (its backlog released in rounds ordered
-    by length)."""
     lowest_shares_level: bool = False
     """The lowest-ranked class is sent at the Triton priority of the class ranked just above
     it (Triton serves the two in arrival order) instead of its own lower one."""
@@ -1020,36 +1012,6 @@ def _catalog() -> dict[str, ArmPlan]:
         )
         for lent in SPARE_LENT
     ]
-    # Session 48: the SLO classes' backlogs released in rounds ordered by length.
-    plans += [
-        replace(
-            rspread,
-            name=f"{rspread.name}+bylen{size}",
-            description=f"{rspread.name} whose classes with an SLO release a backlog in rounds "
-            f"of their {size} oldest requests ordered by length (length_round)",
-            slo_length_round=size,
-        )
-        for size in LENGTH_ROUNDS
-    ]
-    # ... and with at most two batches in flight per instance, so that a surge's backlog
-    # waits at the gate, where the rounds order it, rather than inside Triton.
-    for plan in [rspread, *plans[-len(LENGTH_ROUNDS) :]]:
-        for suffix, low in (("batches2", 1.0), ("slots2", 2.0)):
-            scheduling = dict(plan.scheduling or {})
-            scheduling["adaptive_concurrency"] = {
-                **scheduling.get("adaptive_concurrency", {}),
-                "max_batches": 2.0,
-                "min_batches": low,
-            }
-            plans.append(
-                replace(
-                    plan,
-                    name=f"{plan.name}+{suffix}",
-                    description=f"{plan.name} with at most two batches in flight per instance "
-                    f"(adaptive_concurrency max_batches: 2, min_batches: {low:g})",
-                    scheduling=scheduling,
-                )
-            )
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)
     plans.append(
@@ -1253,10 +1215,6 @@ def proxy_policy(
             if plan.lowest_spare_per_instance:
                 lent = plan.lowest_spare_per_instance
                 section["classes"][lowest]["spare_per_instance"] = lent
-        if plan.slo_length_round:
-            for entry in section["classes"].values():
-                if "slo_p99_ms" in entry:
-                    entry["length_round"] = plan.slo_length_round
         if plan.lowest_shares_level:
             classes = section["classes"]
             *_, above, lowest = sorted(classes, key=lambda n: classes[n]["rank"])

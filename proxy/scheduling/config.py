@@ -144,16 +144,6 @@ class ClassConfig:
     """A request still queued after this long is shed (``timeout``); null = wait for ever."""
     weight: int = 1
     """Share of dispatches under ``weighted_round_robin``."""
-    length_round: int = 0
-    """While the class has a backlog at the gate, release it in rounds of up to this many of
-    its oldest queued requests, each round in order of the requests' padded length (the
-    longest dimension the proxy read), up and then down in turn; 0: first come, first served.
-    The slots an instance's answers free are taken by consecutive releases, which become the
-    next batch Triton forms there; in arrival order that batch is padded to the longest of
-    16 random lengths, in length order to the longest of neighbours. A request waits at most
-    one round (this many releases) longer than first come, first served would have it wait.
-    Only a backlog is reordered: a request that finds no queue goes at once, as before.
-    Requests whose size the proxy did not read (a gRPC stream's messages) count as length 0."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -174,8 +164,6 @@ class ClassConfig:
             raise ValueError(f"spare_idle_s must be >= 0, got {self.spare_idle_s}")
         if self.spare_per_instance < 0:
             raise ValueError(f"spare_per_instance must be >= 0, got {self.spare_per_instance}")
-        if self.length_round < 0:
-            raise ValueError(f"length_round must be >= 0, got {self.length_round}")
         if self.spare_instances and self.max_per_instance is None:
             raise ValueError("spare_instances needs max_per_instance (the lane's depth)")
         if not 0.0 <= self.spare_fraction < 1.0:

@@ -171,15 +171,12 @@ class AdmissionBase:
     entered, released on exit (or earlier, by :meth:`release`). Subclasses say what entering
     gives (:class:`Admission`: the ticket; ``ModelAdmission``: the class's Triton priority)."""
 
-    __slots__ = ("_class_name", "_deadline", "_gate", "_length", "_ticket")
+    __slots__ = ("_class_name", "_deadline", "_gate", "_ticket")
 
-    def __init__(
-        self, gate: Gate, class_name: str, deadline: float | None, length: float = 0.0
-    ) -> None:
+    def __init__(self, gate: Gate, class_name: str, deadline: float | None) -> None:
         self._gate = gate
         self._class_name = class_name
         self._deadline = deadline
-        self._length = length
         self._ticket: Ticket | None = None
 
     @property
@@ -221,7 +218,7 @@ class Admission(AdmissionBase):
     __slots__ = ()
 
     async def __aenter__(self) -> Ticket:
-        self._ticket = await self._gate.acquire(self._class_name, self._deadline, self._length)
+        self._ticket = await self._gate.acquire(self._class_name, self._deadline)
         return self._ticket
 
 
@@ -260,20 +257,16 @@ class Gate:
     def config(self) -> SchedulingConfig:
         return self._core.config
 
-    def admit(
-        self, class_name: str, deadline: float | None = None, length: float = 0.0
-    ) -> Admission:
+    def admit(self, class_name: str, deadline: float | None = None) -> Admission:
         """Wait for a slot for ``class_name``; raises :class:`Shed` when turned away.
 
         ``deadline``: the client's deadline (a time of the gate's clock), if it gave one. With
         deadline admission on, the request's budget is the earlier of it and its class's SLO
         from now (:meth:`Budget.of <proxy.scheduling.deadline.Budget.of>`): one deadline per
         request, whichever way it was given. A class the config does not know (a reload
-        removed it) counts as the default class. ``length``: the request's padded length
-        (its longest dimension), where its class orders a backlog by it
-        (:attr:`~proxy.scheduling.config.ClassConfig.length_round`).
+        removed it) counts as the default class.
         """
-        return Admission(self, class_name, deadline, length)
+        return Admission(self, class_name, deadline)
 
     def queued(self, class_name: str | None = None) -> int:
         return self._core.queued(class_name)
@@ -320,9 +313,7 @@ class Gate:
             self._timer.cancel()
             self._timer = None
 
-    async def acquire(
-        self, class_name: str, client_deadline: float | None = None, length: float = 0.0
-    ) -> Ticket:
+    async def acquire(self, class_name: str, client_deadline: float | None = None) -> Ticket:
         """What entering :meth:`admit`'s block does: wait for a slot, or raise :class:`Shed`.
         The caller releases the ticket, exactly once, by any path."""
         config = self._core.config
@@ -366,7 +357,7 @@ class Gate:
                 self._observer.on_dispatch(name, 0.0, ticket.order)
                 return ticket
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        result = self._core.push(future, name, now, held_to, hard=budget.hard, length=length)
+        result = self._core.push(future, name, now, held_to, hard=budget.hard)
         for victim in result.evicted:
             self._fail(victim, ShedReason.OVERLOAD)
         if result.entry is None:
@@ -458,11 +449,8 @@ class Gate:
         self, class_name: str, waited_s: float, now: float, boosted: bool = False
     ) -> Ticket:
         """The slot just taken for a request of the class that waited ``waited_s``."""
-        # The pop's limit had the depth of the class's oldest wait: this request's, or, where
-        # a length round took a younger one (ClassConfig.length_round), the oldest left's.
-        oldest = self._core.head_wait(class_name, now)
-        waited = waited_s if oldest is None else max(waited_s, oldest)
-        depth = self._core.config.classes[class_name].depth(waited)
+        # It was its class's oldest: the pop's limit had the depth of its wait.
+        depth = self._core.config.classes[class_name].depth(waited_s)
         ticket = Ticket(self, class_name, waited_s, self._order, now, depth, boosted)
         self._order += 1
         self.lateness.on_dispatch(now)

@@ -66,16 +66,13 @@ class ModelAdmission(AdmissionBase):
         deadline: float | None,
         priority: int | None,
         levels: int,
-        length: float = 0.0,
     ) -> None:
-        super().__init__(gate, class_name, deadline, length)
+        super().__init__(gate, class_name, deadline)
         self._priority = priority
         self._levels = levels
 
     async def __aenter__(self) -> int | None:
-        ticket = self._ticket = await self._gate.acquire(
-            self._class_name, self._deadline, self._length
-        )
+        ticket = self._ticket = await self._gate.acquire(self._class_name, self._deadline)
         if ticket.boosted:
             config = self._gate.config
             return config.triton_priority_for(config.top_class(), self._levels)
@@ -249,19 +246,13 @@ class ModelGates:
         return config.for_model(info.max_batch_size, self.packs_long(model), info.priority_levels)
 
     def admit(
-        self,
-        model: str,
-        info: ModelInfo,
-        class_name: str,
-        deadline: float | None = None,
-        length: float = 0.0,
+        self, model: str, info: ModelInfo, class_name: str, deadline: float | None = None
     ) -> ModelAdmission:
         """``async with``: wait for a slot; gives the Triton priority to set (or None).
-        ``deadline``: the client's, if any; ``length``: the request's padded length
-        (:meth:`Gate.admit`)."""
+        ``deadline``: the client's, if any (:meth:`Gate.admit`)."""
         priority = self.config.triton_priority_for(class_name, info.priority_levels)
         return ModelAdmission(
-            self.gate(model, info), class_name, deadline, priority, info.priority_levels, length
+            self.gate(model, info), class_name, deadline, priority, info.priority_levels
         )
 
     def saturated(self) -> set[str]:

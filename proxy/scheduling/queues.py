@@ -47,7 +47,6 @@ import enum
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import islice
 from typing import Generic, TypeVar
 
 from proxy.scheduling.config import ClassConfig, SchedulingConfig
@@ -101,9 +100,6 @@ class Entry(Generic[T]):
     boosted: bool = False
     """Dispatched by the floor boost (module doc): send it at the top class's priority, and
     give its slot back with ``release(..., boosted=True)``."""
-    length: float = 0.0
-    """The request's padded length (its longest dimension): its place in a round of
-    :attr:`ClassConfig.length_round`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,10 +202,6 @@ class ClassQueues(Generic[T]):
         self._starved_after = config.starved_after_s or 0.0
         self._instances = 1
         """Healthy instances at the last ``pop`` or ``take``: the floors' rate."""
-        self._rounds: dict[str, list[Entry[T]]] = {}
-        """Per class with ``length_round``: the rest of its current round, next last."""
-        self._upward: dict[str, bool] = {}
-        """Per class with ``length_round``: whether its current round goes up in length."""
 
     def set_share_scale(self, class_name: str, factor: float) -> None:
         """Multiply ``class_name``'s ``max_share`` by ``factor`` in (0, 1] (class-limit loop)."""
@@ -232,10 +224,10 @@ class ClassQueues(Generic[T]):
             instances,
             self._scale.get(name, 1.0),
             self._keeps_spare(name, now),
-            self.head_wait(name, now),
+            self._head_wait(name, now),
         )
 
-    def head_wait(self, name: str, now: float) -> float | None:
+    def _head_wait(self, name: str, now: float) -> float | None:
         """How long the class's oldest queued request has waited (None: none queued)."""
         queue = self._queues[name]
         return now - next(iter(queue.values())).enqueued_at if queue else None
@@ -295,10 +287,8 @@ class ClassQueues(Generic[T]):
         budget_s: float | None = None,
         *,
         hard: bool = False,
-        length: float = 0.0,
     ) -> PushResult[T]:
-        """Queue ``item`` in ``class_name`` (a configured class, else KeyError), or shed it.
-        ``length``: its padded length (:attr:`ClassConfig.length_round`)."""
+        """Queue ``item`` in ``class_name`` (a configured class, else KeyError), or shed it."""
         queue = self._queues[class_name]
         cls = self._config.classes[class_name]
         self._arrived_at[class_name] = now
@@ -316,7 +306,7 @@ class ClassQueues(Generic[T]):
             self._total_queued -= 1
             evicted = (dropped,)
         self._seq += 1
-        entry = Entry(item, class_name, now, self._seq, budget_s, hard, length=length)
+        entry = Entry(item, class_name, now, self._seq, budget_s, hard)
         queue[entry.seq] = entry
         self._total_queued += 1
         return PushResult(entry, None, evicted)
@@ -444,7 +434,7 @@ class ClassQueues(Generic[T]):
             held = self._in_flight.get(name, 0)
             limit = self._limit(name, capacity, instances, now)
             short = min(
-                cls.reserved(capacity, instances, self.head_wait(name, now)) - held,
+                cls.reserved(capacity, instances, self._head_wait(name, now)) - held,
                 len(queue),
                 limit - held,
             )
@@ -486,36 +476,8 @@ class ClassQueues(Generic[T]):
         return entry
 
     def _head(self, name: str) -> Entry[T]:
-        """The class's next entry, out of its queue: the oldest, or with ``length_round`` the
-        next of its round (:meth:`_next_in_round`)."""
-        queue = self._queues[name]
-        size = self._config.classes[name].length_round
-        if size > 1 and (len(queue) > 1 or self._rounds.get(name)):
-            entry = self._next_in_round(name, queue, size)
-            del queue[entry.seq]
-        else:
-            _, entry = queue.popitem(last=False)
+        _, entry = self._queues[name].popitem(last=False)
         self._total_queued -= 1
-        return entry
-
-    def _next_in_round(self, name: str, queue: OrderedDict[int, Entry[T]], size: int) -> Entry[T]:
-        """The next entry of ``name``'s current round, or of a new one: the ``size`` oldest
-        queued, in order of length (ties: arrival), up and down in turn so that the rounds
-        meet at similar lengths. Entries that left the queue meanwhile (cancelled, expired,
-        evicted) are passed over; a round holds at most ``size`` of them."""
-        pending = self._rounds.get(name)
-        while pending:
-            entry = pending.pop()
-            if queue.get(entry.seq) is entry:
-                return entry
-        upward = not self._upward.get(name, False)
-        self._upward[name] = upward
-        # Popped from the end: an upward round is sorted longest first.
-        pending = sorted(
-            islice(queue.values(), size), key=lambda e: (e.length, e.seq), reverse=upward
-        )
-        entry = pending.pop()
-        self._rounds[name] = pending
         return entry
 
     def _take_slot(self, name: str) -> None:
@@ -623,7 +585,6 @@ class ClassQueues(Generic[T]):
         for queue in self._queues.values():
             queue.clear()
         self._total_queued = 0
-        self._rounds.clear()
         return drained
 
     def reconfigure(self, config: SchedulingConfig) -> None:
@@ -651,7 +612,6 @@ class ClassQueues(Generic[T]):
                 e.class_name = default
             queues[default] = OrderedDict((e.seq, e) for e in merged)
         self._queues = queues
-        self._rounds.clear()  # a class's entries may have moved; the next pop starts a round
         self._wrr = {n: self._wrr.get(n, 0) for n in config.classes}
         self._config = config
         self._top_rank = min(c.rank for c in config.classes.values())

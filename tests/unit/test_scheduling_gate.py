@@ -37,13 +37,11 @@ class Harness:
         )
         self.tasks: list[asyncio.Task[Any]] = []
 
-    def start(
-        self, cls: str, hold: asyncio.Event | None = None, length: float = 0.0
-    ) -> asyncio.Task[Ticket]:
+    def start(self, cls: str, hold: asyncio.Event | None = None) -> asyncio.Task[Ticket]:
         """A request that waits for admission, then holds its slot until ``hold`` is set."""
 
         async def run() -> Ticket:
-            async with self.gate.admit(cls, length=length) as ticket:
+            async with self.gate.admit(cls) as ticket:
                 if hold is not None:
                     await hold.wait()
                 return ticket
@@ -284,40 +282,6 @@ async def test_a_ticket_carries_the_depth_its_slot_was_given_under() -> None:
     assert [t.depth for t in tickets] == [1, 3, 3]
     async with h.gate.admit("rt") as ticket:
         assert ticket.depth is None  # no per-instance cap
-    h.gate.close()
-
-
-async def test_a_length_round_gives_a_younger_request_the_depth_of_the_oldest_wait() -> None:
-    # A round released by length (length_round) may dispatch a younger request first; the
-    # gate's limit had the depth of the class's oldest wait, and so must its ticket.
-    classes = {
-        "rt": {"rank": 0},
-        "off": {
-            "rank": 1,
-            "max_per_instance": 3,
-            "shallow_per_instance": 1,
-            "deepen_after_s": 1.0,
-            "length_round": 8,
-        },
-    }
-    h = Harness(capacity=10, classes=classes, default_class="off")
-    hold = asyncio.Event()
-    first = h.start("off", hold, length=100)
-    await settle()
-    old = h.start("off", hold, length=512)
-    await settle()
-    h.clock.advance(0.9)
-    young = h.start("off", hold, length=64)
-    await settle()
-    assert h.gate.queued("off") == 2
-    h.clock.advance(0.2)  # the old one has waited 1.1 s, the young one 0.2 s
-    h.gate.poke()
-    await settle()
-    assert h.gate.in_flight("off") == 3
-    hold.set()
-    tickets = await asyncio.gather(first, young, old)
-    assert tickets[1].order < tickets[2].order  # the shorter one first
-    assert [t.depth for t in tickets] == [1, 3, 3]
     h.gate.close()
 
 
