@@ -68,7 +68,12 @@ def test_the_trace_shows_the_batches_a_triton_ran(triton_servers: list[TritonSer
     cells = render_trace(samples, names).splitlines()[1].split("|")
     ours = cells[1].split()
     assert ours[:2] == [f"{first}:", "3.0"] and ours[3] == "4.0"  # 4 batches in 1 s
-    # Triton's compute time per batch against the model's own cost of those batches
-    mean_ms = sum(cost for _, cost in seen) / len(seen) / 1000
-    assert abs(float(ours[2]) - mean_ms) <= max(2.0, mean_ms / 2), (ours, mean_ms)
+    # The batch time is Triton's compute time per request (each ran alone), from its own
+    # counters, and never less than what the model slept for those batches. No upper bound:
+    # a busy machine stretches Triton's time (a bound of the model's cost + 2 ms failed in
+    # CI, 7 ms against 3.1, session 48).
+    compute_ms = (after[f"{first} compute us"] - before[f"{first} compute us"]) / 4 / 1000
+    assert ours[2] == f"{compute_ms:.0f}"
+    slept_ms = sum(cost for _, cost in seen) / len(seen) / 1000
+    assert compute_ms >= slept_ms - 0.1, (compute_ms, slept_ms)
     assert all(cell.split()[1:3] == ["-", "-"] for cell in cells[2:])  # the others ran none
