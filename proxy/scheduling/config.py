@@ -207,6 +207,11 @@ class ClassConfig:
         all of them when the spares are lent (``spare=False``)."""
         return max(1, instances - self.spares(instances)) if spare else instances
 
+    def behind(self, waited_s: float | None) -> bool:
+        """Whether the class is not keeping up: its oldest queued request has waited
+        ``waited_s`` (None: nothing queued), at least ``deepen_after_s``."""
+        return waited_s is not None and waited_s >= self.deepen_after_s
+
     def depth(self, waited_s: float | None = None) -> int | None:
         """Requests of the class in flight per instance now, its oldest queued request having
         waited ``waited_s`` (None: nothing queued): ``shallow_per_instance`` until that
@@ -214,9 +219,7 @@ class ClassConfig:
         full = self.max_per_instance
         if full is None or self.shallow_per_instance is None:
             return full
-        if waited_s is not None and waited_s >= self.deepen_after_s:
-            return full
-        return self.shallow_per_instance
+        return full if self.behind(waited_s) else self.shallow_per_instance
 
     def share_limit(
         self,
@@ -248,7 +251,7 @@ class ClassConfig:
         depth = self.depth(waited_s)
         if depth is not None:
             held = depth * lane
-            if waited_s is not None and waited_s >= self.deepen_after_s:
+            if self.behind(waited_s):
                 held += min(depth, self.spare_per_instance) * (instances - lane)
             limit = min(limit, max(1, held))
         return limit
