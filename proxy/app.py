@@ -207,7 +207,12 @@ class ProxyServer:
         listen = self.config.listen
         if listen.grpc_engine == "h2":
             h2 = frontend.h2_server(self.config.limits.max_body_bytes)
-            bound = await h2.start(listen.host, listen.grpc_port, reuse_port=self.role is not None)
+            bound = await h2.start(
+                listen.host,
+                listen.grpc_port,
+                reuse_port=self.role is not None,
+                backlog=listen.backlog,
+            )
             self._grpc_server = h2
             return bound
         server = frontend.server(

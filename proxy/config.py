@@ -32,11 +32,13 @@ class ListenConfig:
     metrics_port: int = 8002
     """The proxy's own Prometheus metrics (``/metrics``), on Triton's usual metrics port."""
     backlog: int = 4096
-    """Connections the kernel completes and holds before the proxy accepts them (the HTTP
-    port's listen queue; the kernel caps it at ``net.core.somaxconn``). aiohttp's default of
-    128 overflowed when many clients connected at once, and every overflow costs the client a
-    SYN retransmission (1 s, then 3 s): measured, the issue 10 benchmark's proxy arms collapsed
-    to P50s of seconds at 2x load with the machine 60% idle (``TcpExtListenOverflows``)."""
+    """Connections the kernel completes and holds before the proxy accepts them (the HTTP and
+    gRPC ports' listen queues, with the ``h2`` engine; the kernel caps it at
+    ``net.core.somaxconn``). aiohttp's default of 128 overflowed when many clients connected at
+    once, and every overflow costs the client a SYN retransmission (1 s, then 3 s): measured,
+    the issue 10 benchmark's proxy arms collapsed to P50s of seconds at 2x load with the
+    machine 60% idle (``TcpExtListenOverflows``). The queue must also be emptied as fast as it
+    fills: :mod:`proxy.listener` says why the ports do not use uvloop's own listener."""
     grpc_engine: str = "h2"
     """What speaks gRPC, to clients and to Triton: ``h2``, the proxy's own HTTP/2 relay
     (:mod:`proxy.h2`, about a fifth of the CPU per call), or ``grpcio`` (``grpc.aio``, the

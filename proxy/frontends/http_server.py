@@ -41,7 +41,6 @@ import collections
 import contextlib
 import http
 import logging
-import socket
 import zlib
 from collections.abc import Iterable
 from typing import Protocol
@@ -50,6 +49,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import Code, ProxyError
+from proxy.listener import Listener, listen
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +302,6 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses; they work all the same.
         self._transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server.connections.add(self)
         self._last_seen = self._loop.time()
         self._idle_timer = self._loop.call_at(
@@ -685,21 +681,15 @@ class HttpServer:
     def __init__(self, app: Application) -> None:
         self.app = app
         self.connections: set[_Connection] = set()
-        self._servers: list[asyncio.Server] = []
+        self._servers: list[Listener] = []
         self.port: int | None = None
 
     async def start(
         self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 128
     ) -> int:
         """Listen on ``host``:``port`` (0: any free port); returns the bound port."""
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _Connection(self),
-            host,
-            port,
-            reuse_address=True,
-            reuse_port=reuse_port,
-            backlog=backlog,
+        server = await listen(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_port=reuse_port
         )
         self._servers.append(server)
         self.port = int(server.sockets[0].getsockname()[1])

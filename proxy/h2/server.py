@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, NoReturn, cast
 
@@ -27,6 +26,7 @@ import grpc
 from proxy.h2 import wire
 from proxy.h2.connection import CONNECTION_WINDOW, Connection, Inbox, Stream
 from proxy.h2.wire import H2Error
+from proxy.listener import Listener, listen
 
 log = logging.getLogger(__name__)
 
@@ -395,18 +395,16 @@ class H2GrpcServer:
         """A method's path -> (whether it is unary, its handler)."""
         self.max_receive_bytes = max_receive_bytes
         self.connections: set[ServerConnection] = set()
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[Listener] = []
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: ServerConnection(self), host, port, reuse_port=reuse_port or None
+    async def start(
+        self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 4096
+    ) -> int:
+        server = await listen(
+            lambda: ServerConnection(self), host, port, backlog=backlog, reuse_port=reuse_port
         )
         self._servers.append(server)
-        sock = server.sockets[0]
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bound: int = sock.getsockname()[1]
+        bound: int = server.sockets[0].getsockname()[1]
         return bound
 
     async def stop(self, grace: float) -> None:
