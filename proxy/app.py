@@ -173,7 +173,10 @@ class ProxyServer:
             self.role.ready_file().write_text(json.dumps(info))
         if self.policy_path is not None:
             self._watch_task = asyncio.create_task(self._watch_policy(), name="policy-watch")
-        self._lag_task = asyncio.create_task(self.telemetry.watch_loop_lag(), name="loop-lag")
+        self._lag_task = asyncio.create_task(
+            self.telemetry.watch_loop_lag(lambda lag: self.current().observe_lag(lag)),
+            name="loop-lag",
+        )
         self._unwatch_gc = self.telemetry.watch_gc()
         return self.ports
 

@@ -42,6 +42,7 @@ from proxy.routing.occupancy import NO_FILL, FillRule
 from proxy.routing.wake import EXPIRED_US
 from proxy.scheduling import Classifier, Shed, ShedReason, deadline
 from proxy.scheduling.cost import BatchTimes, CostModel
+from proxy.scheduling.overload import OverloadGuard
 
 if TYPE_CHECKING:
     from proxy.scheduling.models import ModelGates
@@ -220,6 +221,9 @@ class Dispatcher:
         """``routing.wake.real_copy``: where no expired copy can be sent, a copy that runs."""
         self.fill = NO_FILL
         """The main arm's fill rule (``routing.occupancy_depth``, ``routing.fill_from_load``)."""
+        self.overload: OverloadGuard | None = None
+        """``scheduling.overload``: refuses the least important classes at arrival while the
+        proxy's own event loop lags (set by the runtime; every arm's classes)."""
         self.canary: Arm | None = None
         """The canary arm; the attributes above are the main arm's."""
         self.splitter: Splitter | None = None
@@ -313,6 +317,10 @@ class Dispatcher:
                 call = dataclasses.replace(call, model=OTHER_MODEL)
             else:
                 model_label = call.model
+                guard = self.overload
+                if guard is not None and admit and guard.refuses(klass):
+                    self.telemetry.shed.labels(klass, ShedReason.BUSY.value).inc()
+                    raise Shed(ShedReason.BUSY, guard.retry_after_s, klass)
                 self.costs.observe_cost(call.model, call.cost)
             seq = call.params.sequence_id
             if seq is not None and info is not None:
@@ -831,6 +839,8 @@ def _shed_error(model: str, shed: Shed) -> ProxyError:
     why = {
         ShedReason.QUEUE_FULL: "its class queue is full",
         ShedReason.OVERLOAD: "the proxy is overloaded and sheds the lowest classes first",
+        ShedReason.BUSY: "the proxy's own event loop lags (it is short of CPU) and it refuses "
+        "the least important classes first (scheduling.overload)",
         ShedReason.TIMEOUT: "it waited longer than its class's queue_timeout_s",
         ShedReason.LATE: "it would be answered after its deadline (its class's slo_p99_ms, or "
         "the client's deadline when earlier)",

@@ -45,6 +45,7 @@ from proxy.scheduling import Classifier, GateObserver, ShedReason
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.cost import CostOverride
 from proxy.scheduling.models import FanOutObserver, ModelGates
+from proxy.scheduling.overload import OverloadGuard
 from proxy.telemetry import RequestTelemetry, Telemetry
 from proxy.workers import (
     STATE_FILE,
@@ -228,6 +229,7 @@ class Runtime:
         )
         self.dispatcher.costs.set_overrides(cost_overrides(config))
         self.dispatcher.fill = fill_rule(config.routing)
+        self.dispatcher.overload = self._overload_guard(config)
         self.canary_router: Router | None = None
         self.canary_gates: ModelGates | None = None
         self.canary_placement = FleetPlacement(
@@ -243,6 +245,36 @@ class Runtime:
         self._set_canary(config)
 
     # --- wiring -------------------------------------------------------------------------
+    def _overload_guard(self, config: ProxyConfig) -> OverloadGuard | None:
+        scheduling = config.scheduling
+        if scheduling is None or scheduling.overload is None:
+            return None
+        return OverloadGuard(
+            scheduling.overload,
+            scheduling.classes,
+            self.clock,
+            self.rng,
+            retry_after_s=scheduling.retry_after_s,
+        )
+
+    def observe_lag(self, lag_s: float) -> None:
+        """One sample of the event loop's lag (:meth:`Telemetry.watch_loop_lag`)."""
+        guard = self.dispatcher.overload
+        if guard is None:
+            return
+        before = guard.pressure
+        if guard.observe_lag(lag_s):
+            log.info(
+                "overload: the event loop lagged %.1f ms on average over %g s (limit %g ms): "
+                "pressure %.2f -> %.2f of %g",
+                guard.last_lag_ms,
+                guard.config.step_s,
+                guard.config.lag_ms,
+                before,
+                guard.pressure,
+                guard.ceiling,
+            )
+
     def _export_boostable(self, scheduling: SchedulingConfig) -> None:
         """``triton_proxy_boosted_total`` at 0 for every class the floor boost may lift, so
         a dashboard's rate reads 0 rather than no data until the first boost."""
@@ -548,6 +580,8 @@ class Runtime:
         )
         self.dispatcher.costs.set_overrides(cost_overrides(config))
         self.dispatcher.fill = fill_rule(config.routing)
+        if config.scheduling != self.config.scheduling:
+            self.dispatcher.overload = self._overload_guard(config)
         self.control.reconfigure(config.control, config.scheduling)
         self._set_canary(config)
         self.config = config

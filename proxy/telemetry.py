@@ -246,15 +246,17 @@ class Telemetry:
         gc.callbacks.append(on_gc)
         return lambda: gc.callbacks.remove(on_gc)
 
-    async def watch_loop_lag(self) -> None:
+    async def watch_loop_lag(self, on_lag: Callable[[float], None] = lambda _: None) -> None:
         """Sample the event loop's lag until cancelled: sleep ``LOOP_LAG_INTERVAL_S`` and
         record how much later than asked the loop woke up (the real loop's clock: this measures
-        the process, not the proxy's logic)."""
+        the process, not the proxy's logic); ``on_lag`` gets each sample too."""
         loop = asyncio.get_running_loop()
         while True:
             asked = loop.time() + LOOP_LAG_INTERVAL_S
             await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-            self.loop_lag.observe(max(0.0, loop.time() - asked))
+            lag = max(0.0, loop.time() - asked)
+            self.loop_lag.observe(lag)
+            on_lag(lag)
 
 
 class RequestTelemetry:
@@ -347,6 +349,7 @@ class _FleetCollector(Collector):
         yield _buffered(rt)
         yield from _feedback(rt)
         yield from _classes(rt)
+        yield from _overload(rt)
         yield from control_metrics(rt.control)
 
 
@@ -381,6 +384,19 @@ def _scraped(rt: Runtime) -> Iterator[Metric]:
             if load.compute_us is not None:
                 compute_us.add_metric([name, model], load.compute_us / 1e6)
     yield from (pending, queue_us, compute_us, age)
+
+
+def _overload(rt: Runtime) -> Iterator[Metric]:
+    guard = rt.dispatcher.overload
+    if guard is None:
+        return
+    pressure = GaugeMetricFamily(
+        "triton_proxy_overload_pressure",
+        "How many of the least important classes this process refuses at arrival because its "
+        "event loop lags (scheduling.overload; 1.5 = the lowest wholly, the next half)",
+    )
+    pressure.add_metric([], guard.pressure)
+    yield pressure
 
 
 def _buffered(rt: Runtime) -> Metric:

@@ -141,6 +141,8 @@ PREVIOUS_CONCURRENCY = 32
 
 SPARE_LENT = (1, 2, 4)
 """``spare_per_instance`` of the ``+lend`` arms (session 47)."""
+OVERLOAD_LAG_MS = (10, 20, 40)
+"""``scheduling.overload.lag_ms`` of the ``+guard`` arms (session 49)."""
 LANE_DEPTH = 8
 """``max_per_instance`` of the throughput class in the long-lane arms: two batches of the
 issue 10 scenarios' offline requests (4 rows each, ``max_batch_size`` 16) per lane instance,
@@ -1011,6 +1013,17 @@ def _catalog() -> dict[str, ArmPlan]:
             lowest_spare_per_instance=lent,
         )
         for lent in SPARE_LENT
+    ]
+    # Session 49: the least important classes refused while the proxy's own loop lags.
+    plans += [
+        replace(
+            rspread,
+            name=f"{rspread.name}+guard{lag}",
+            description=f"{rspread.name} refusing the least important classes at arrival "
+            f"while its event loop lags more than {lag} ms on average (scheduling.overload)",
+            scheduling={**(rspread.scheduling or {}), "overload": {"lag_ms": float(lag)}},
+        )
+        for lag in OVERLOAD_LAG_MS
     ]
     # The shipped file's arm: the reserve arm with the class default's fill (session 38).
     shipped_reserve = next(p for p in plans if p.name == RESERVE_ARM)

@@ -297,6 +297,7 @@ SHED_PHRASES = {
     "queue is full": "queue_full",
     "overloaded": "overload",
     "queue_timeout_s": "timeout",
+    "short of CPU": "busy",
 }
 """A phrase of the proxy's shed message (``proxy/dispatch.py``) -> the shed reason."""
 

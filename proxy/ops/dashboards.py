@@ -758,6 +758,18 @@ def routing() -> Dashboard:
                         width=12,
                     ),
                     Panel(
+                        "Overload guard: least important classes refused at arrival "
+                        "(scheduling.overload; by worker)",
+                        (
+                            Target(
+                                "max by (worker) (triton_proxy_overload_pressure)",
+                                "worker {{worker}}",
+                            ),
+                        ),
+                        unit="none",
+                        width=12,
+                    ),
+                    Panel(
                         "Garbage-collector pauses P99 by generation (2 = full collection)",
                         quantiles("triton_proxy_gc_pause_seconds", "generation", (), (0.99,)),
                         unit="s",

@@ -10,6 +10,8 @@ path inside it. Omitting the section gives three classes::
       aging: {step_s: 1.0}              # strict_aging: one rank level gained per step_s waited
       max_queued_total: null            # global queue bound; over it, the lowest classes shed
       retry_after_s: 1.0                # Retry-After sent with every shed
+      overload: null                    # {lag_ms: 20}: while the proxy's own event loop
+                                        # lags, refuse the least important classes first
       concurrency: null                 # per-instance dispatch slots; null = derived
       slot_sharing: null                # shared: one pool; by_rank: a class counts only the
                                         # slots held by classes at least as important as
@@ -265,6 +267,26 @@ class ClassConfig:
 
 
 @dataclass(frozen=True)
+class OverloadConfig:
+    """``scheduling.overload``: refuse the lowest classes while the proxy's own event loop
+    lags (:mod:`proxy.scheduling.overload`)."""
+
+    lag_ms: float = 20.0
+    """Mean lag of the event loop over a step above which the pressure rises (ms)."""
+    step_s: float = 0.5
+    """How often the pressure moves."""
+    up: float = 0.25
+    """Pressure added per step above ``lag_ms``."""
+    down: float = 0.1
+    """Pressure taken away per step below half of ``lag_ms``."""
+
+    def __post_init__(self) -> None:
+        for name in ("lag_ms", "step_s", "up", "down"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class AgingConfig:
     """Anti-starvation for ``strict_aging``.
 
@@ -446,6 +468,9 @@ class SchedulingConfig:
     (:mod:`proxy.control.concurrency`); used when ``concurrency`` is null."""
     cost: CostConfig = field(default_factory=CostConfig)
     """Cost curves set per model instead of learned (:class:`CostConfig`)."""
+    overload: OverloadConfig | None = None
+    """Refuse the least important classes while the proxy's own event loop lags (its process
+    short of CPU): :mod:`proxy.scheduling.overload`. ``null`` (the default): never."""
     throughput_lane: bool = True
     """A *throughput class* (no ``slo_p99_ms``, ranked below a class that has one) that sets
     no ``max_per_instance`` runs in a long lane derived from each model's batching

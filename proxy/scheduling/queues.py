@@ -77,6 +77,8 @@ class ShedReason(enum.StrEnum):
     SHUTDOWN = "shutdown"
     LATE = "late"
     """Predicted (or already certain) to be answered after its class's SLO."""
+    BUSY = "busy"
+    """Refused at arrival while the proxy's own event loop lags (``scheduling.overload``)."""
 
 
 @dataclass(eq=False, slots=True)
