@@ -71,6 +71,9 @@ POLICY: dict[str, Any] = {
         # Adaptive concurrency between 1 and 2 slots per instance (max_batch_size 16): 3-6
         # slots over 3 instances, so that bursts queue in the proxy.
         "adaptive_concurrency": {"enabled": True, "min_batches": 0.0625, "max_batches": 0.125},
+        # The overload guard on, with a limit this test's loop never reaches: its pressure gauge
+        # is exported (at 0) and no request is refused for it.
+        "overload": {"lag_ms": 1000},
         "api_keys": {RT_KEY: {"class_name": "realtime"}, OFF_KEY: {"class_name": "offline"}},
         "classes": {
             "realtime": {"rank": 0, "triton_priority": 1, "slo_p99_ms": 5, "max_queue": 100},
