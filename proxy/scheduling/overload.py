@@ -30,9 +30,10 @@ and the previous step is below that share: the proxy's CPU is spent per request,
 requests is what the guard can keep for it. The guard acts on unary requests (HTTP, gRPC
 ``ModelInfer``); a gRPC stream's messages pass as before.
 
-Measured there with ``lag_ms: 20`` (two runs of 3 repetitions): real-time 85-89 % within its
-SLO against 15-26 % without the guard (``rr_priority`` 31 %), online 43-77 % (``rr_priority``
-100 %), offline's floor held; ``lag_ms: 40`` was too loose (real-time 66 %). Off unless
+Measured there with ``lag_ms: 20`` (three runs of 3 repetitions): real-time 85-89 % within
+its SLO against 15-52 % without the guard in the same runs (``rr_priority`` 31 %), online
+43-89 % (``rr_priority`` 100 %), offline's floor held; ``lag_ms: 10`` 94 % (one run), ``40``
+too loose (66 %). Off unless
 ``scheduling.overload`` is set: it trades the lower classes' requests for the top class's
 latency, which is the operator's call; ``serve --workers N`` with a core each is the remedy
 that loses nothing (README, "Workers").
