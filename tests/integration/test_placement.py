@@ -352,7 +352,7 @@ async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
     # requests in flight per instance over a quarter of max_batch_size (accel_sim: 4 of 16),
     # not by the share of busy instances. One
     # client sending back to back keeps one request in flight on the one server: the busy
-    # share rises past 0.3 within 1.5 s, the fill stays under a quarter. Eight clients at
+    # share rises past 0.3, the fill stays under a quarter. Eight clients at
     # once are a batch forming: full.
     routing = {"occupancy_depth": 0.25, "fill_from_load": 0}
     classes = {"routing": routing, "scheduling": POLICY["scheduling"]}
@@ -371,7 +371,13 @@ async def test_with_an_occupancy_depth_an_slo_class_packs_by_the_fleets_fill(
 
                 await asyncio.gather(*(client() for _ in range(n)))
 
-            await clients(1, 1.5)
+            # The busy share is a moving average of time: how soon it passes 0.3 depends on the
+            # machine (0.29 after 1.5 s in one CI run), so the client goes on until it has, for
+            # at most 12 s; the fill never passes a quarter meanwhile (one request in flight).
+            for _ in range(8):
+                await clients(1, 1.5)
+                if fleet.occupancy.get("accel_sim") > 0.3:
+                    break
             fill = fleet.fills[0.25]
             assert 0.0 < fill.get("accel_sim") < 0.25, fill.values
             assert fleet.occupancy.get("accel_sim") > 0.3, fleet.occupancy.values
